@@ -1,0 +1,40 @@
+# The two commands of the README: `make lab` (open the tutorials) and `make test` (every test).
+# TORCH is the torch requirement; the default takes the CPU wheel that CI and Binder use.
+# With a GPU:  make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ampnb-installed
+
+.PHONY: lab test unit notebooks browser lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[lab,test]"
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/00_quickstart.ipynb $(LAB_ARGS)
+
+test: $(STAMP) lint unit notebooks browser
+
+lint: $(STAMP)
+	$(PY) -m ruff check ampnb tests benchmarks
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests --ignore=tests/browser
+
+notebooks: $(STAMP)
+	$(PY) -m pytest -q --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks
+
+browser: $(STAMP)
+	$(PY) -m pytest -q tests/browser
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache

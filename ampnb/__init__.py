@@ -1,0 +1,64 @@
+"""ampnb: see and poke PyTorch mixed precision inside Jupyter."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public name -> module that defines it. Imported on first use so that `import ampnb`
+# stays fast and never pulls in IPython, ipywidgets or matplotlib.
+_EXPORTS: dict[str, str] = {
+    "FloatFormat": "ampnb.formats",
+    "FORMATS": "ampnb.formats",
+    "get_format": "ampnb.formats",
+    "quantize": "ampnb.formats",
+    "PrecisionMode": "ampnb.modes",
+    "MODES": "ampnb.modes",
+    "get_mode": "ampnb.modes",
+    "devices": "ampnb.device",
+    "support": "ampnb.device",
+    "support_table": "ampnb.device",
+    "tf32": "ampnb.device",
+    "set_tf32": "ampnb.device",
+    "coverage": "ampnb.instruments",
+    "capture": "ampnb.instruments",
+    "trace_ops": "ampnb.instruments",
+    "find_nonfinite": "ampnb.instruments",
+    "memory_report": "ampnb.instruments",
+    "Workbench": "ampnb.workbench",
+    "ScalerStepper": "ampnb.scaler",
+    "compare": "ampnb.compare",
+}
+_SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8"}
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"ampnb.{name}")
+    raise AttributeError(f"module 'ampnb' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register %%amp and %amp (called by `%load_ext ampnb`)."""
+    from ampnb.magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Remove every magic and hook that `%load_ext ampnb` added."""
+    from ampnb.magics import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -1,0 +1,78 @@
+"""A snapshot of the global torch state that ampnb promises to leave as it found it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _get(obj: object, attr: str) -> object:
+    """Read a flag that only some torch builds have; None where it is absent."""
+    try:
+        return getattr(obj, attr)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _dispatch_mode_depth() -> int:
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        return len(_get_current_dispatch_mode_stack())
+    except Exception:  # noqa: BLE001 - private API; absent means "cannot tell"
+        return -1
+
+
+def _autocast_flags() -> tuple:
+    flags = []
+    for dev in ("cpu", "cuda"):
+        try:
+            flags.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+        except (TypeError, RuntimeError, AttributeError):
+            pass
+    return tuple(flags)
+
+
+@dataclass(frozen=True)
+class TorchState:
+    """Every global flag that a precision experiment could leave changed."""
+
+    default_dtype: torch.dtype
+    matmul_precision: str
+    cuda_matmul_allow_tf32: object
+    cudnn_allow_tf32: object
+    cuda_matmul_fp32_precision: object
+    cudnn_fp32_precision: object
+    fp32_precision: object
+    autocast: tuple
+    anomaly_enabled: bool
+    grad_enabled: bool
+    dispatch_mode_depth: int
+    global_module_hooks: int
+
+
+def _global_module_hooks() -> int:
+    from torch.nn.modules import module as m
+
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks", "_global_module_registration_hooks")
+    return sum(len(getattr(m, n, {})) for n in names)
+
+
+def snapshot() -> TorchState:
+    """Read the current global torch state."""
+    return TorchState(
+        default_dtype=torch.get_default_dtype(),
+        matmul_precision=torch.get_float32_matmul_precision(),
+        cuda_matmul_allow_tf32=_get(torch.backends.cuda.matmul, "allow_tf32"),
+        cudnn_allow_tf32=_get(torch.backends.cudnn, "allow_tf32"),
+        cuda_matmul_fp32_precision=_get(torch.backends.cuda.matmul, "fp32_precision"),
+        cudnn_fp32_precision=_get(torch.backends.cudnn, "fp32_precision"),
+        fp32_precision=_get(torch.backends, "fp32_precision"),
+        autocast=_autocast_flags(),
+        anomaly_enabled=torch.is_anomaly_enabled(),
+        grad_enabled=torch.is_grad_enabled(),
+        dispatch_mode_depth=_dispatch_mode_depth(),
+        global_module_hooks=_global_module_hooks(),
+    )

@@ -1,0 +1,23 @@
+"""matplotlib figures (object API: `ax=` in, `Axes` out; no pyplot state, no global style)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public plot name -> module. Each module draws from data computed by the pure core.
+_EXPORTS = {
+    "plot_format_ladder": "ampnb.plots.ranges",
+    "plot_tensor_histogram": "ampnb.plots.ranges",
+    "plot_layer_summary": "ampnb.plots.ranges",
+    "plot_loss_scale_effect": "ampnb.plots.ranges",
+    "plot_scale_history": "ampnb.plots.scale",
+    "plot_loss_curve": "ampnb.plots.training",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ampnb.plots' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Speed and memory benchmarks: `make bench` runs every bench_*.py here and prints one table."""

@@ -1,0 +1,41 @@
+"""Run every benchmarks/bench_*.py (or those named on the command line) and print one table."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+import traceback
+
+import benchmarks
+from benchmarks._common import Result
+
+
+def _modules(selected: list[str]) -> list[str]:
+    names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
+                   if m.name.startswith("bench_"))
+    return [n for n in names if not selected or any(s in n for s in selected)]
+
+
+def main(argv: list[str]) -> int:
+    rows: list[Result] = []
+    for name in _modules(argv):
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        try:
+            rows.extend(importlib.import_module(f"benchmarks.{name}").run())
+        except Exception:  # noqa: BLE001 - one broken benchmark must not hide the others
+            traceback.print_exc()
+            rows.append(Result(name, "error (see above)", None, "-", False))
+    headers = ("benchmark", "measured", "ratio", "goal", "met")
+    cells = [(r.name, r.figure, "-" if r.ratio is None else f"{r.ratio:.2f}", r.goal,
+              {True: "yes", False: "NO", None: "n/a"}[r.ok]) for r in rows]
+    widths = [max(len(str(c[i])) for c in [headers, *cells]) for i in range(len(headers))]
+    for k, c in enumerate([headers, *cells]):
+        print("  ".join(str(x).ljust(w) for x, w in zip(c, widths)))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

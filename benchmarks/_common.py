@@ -1,0 +1,63 @@
+"""Shared pieces for benchmarks: a result row and a median timer with warm-up and sync."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Result:
+    """One benchmark figure, the ratio it is judged by, and its goal."""
+
+    name: str
+    figure: str          # what was measured, e.g. "ampnb 41 ms, numpy 390 ms"
+    ratio: float | None  # the number the goal is about, e.g. 9.5 (x faster)
+    goal: str            # e.g. ">= 5x"
+    ok: bool | None      # None where the goal cannot be judged on this machine
+
+
+def sync(device: str | torch.device = "cpu") -> None:
+    """Wait for queued device work so that a timer measures it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn: Callable[[], object], repeat: int = 7, warmup: int = 2,
+                device: str | torch.device = "cpu") -> float:
+    """Median wall time of fn() in seconds, after warm-up, with device sync."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeat: int = 7, warmup: int = 2,
+                        device: str | torch.device = "cpu") -> dict[str, float]:
+    """Median times of several functions measured round-robin, so drift hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
