@@ -1,0 +1,274 @@
+"""Precision modes: one small class per Lightning precision string.
+
+Semantics follow Lightning Fabric's precision plugins (`MixedPrecision`, `HalfPrecision`,
+`DoublePrecision`), with one deliberate difference: Fabric turns `16-mixed` on a CPU into
+bf16 autocast with a warning, while ampnb runs what was asked for — real fp16 autocast and a
+CPU `torch.amp.GradScaler` (torch >= 2.3) — so a learner can see fp16 behave (and be slow)
+on any machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a mode can run on a device, why not, and what would run instead."""
+
+    ok: bool
+    reason: str = ""
+    fallback: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Set torch's default float dtype for the body; always restore it."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor in nested lists/tuples/dicts to dtype; leave the rest."""
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if torch.is_floating_point(data) else data
+    if isinstance(data, Mapping):
+        return type(data)({k: cast_floats(v, dtype) for k, v in data.items()})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(cast_floats(v, dtype) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(cast_floats(v, dtype) for v in data)
+    return data
+
+
+def _device_type(device: str | torch.device) -> str:
+    return torch.device(device).type
+
+
+def _cuda_present(device: str | torch.device) -> Availability:
+    if _device_type(device) == "cuda" and not torch.cuda.is_available():
+        return Availability(False, "needs CUDA, which this machine does not have", "cpu")
+    return Availability(True)
+
+
+class PrecisionMode:
+    """Base mode: full fp32, every hook a no-op. Subclasses override only what differs."""
+
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[Any, ...]] = ()
+    autocast_dtype: ClassVar[torch.dtype | None] = None
+    param_dtype: ClassVar[torch.dtype] = torch.float32
+    uses_scaler: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+    requirements: ClassVar[str] = "any device"
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when weights stay fp32 and autocast lowers the compute."""
+        return self.autocast_dtype is not None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype most matmuls run in under this mode."""
+        return self.autocast_dtype or self.param_dtype
+
+    def forward_context(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        """Context for the forward pass (and the loss)."""
+        return contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """Context in which new modules get their parameters directly in param_dtype."""
+        return contextlib.nullcontext()
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Return the module in this mode's parameter dtype (in place, as nn.Module.to)."""
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        """Cast floating inputs the way the mode's forward expects them."""
+        return data
+
+    def convert_output(self, data: Any) -> Any:
+        """Cast floating outputs back to the default dtype."""
+        return cast_floats(data, torch.get_default_dtype())
+
+    def make_scaler(self, device: str | torch.device = "cpu") -> torch.amp.GradScaler | None:
+        """A fresh GradScaler for modes that need one, else None."""
+        return None
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        """Whether this mode can run on `device` here."""
+        return _cuda_present(device)
+
+    def check(self, device: str | torch.device = "cpu") -> None:
+        """Raise a one-line ValueError when the mode cannot run on `device`."""
+        found = self.availability(device)
+        if not found.ok:
+            instead = f"; use {found.fallback!r} instead" if found.fallback else ""
+            raise ValueError(f"{self.name} on {str(device)!r} {found.reason}{instead}")
+
+    def __repr__(self) -> str:
+        return f"<PrecisionMode {self.name!r}>"
+
+    def _repr_html_(self) -> str:
+        from ampnb._html import Table
+
+        rows = [
+            ("autocast dtype", _dtype_name(self.autocast_dtype)),
+            ("parameter dtype", _dtype_name(self.param_dtype)),
+            ("GradScaler", "yes" if self.uses_scaler else "no"),
+            ("needs", self.requirements),
+        ]
+        return Table(("", self.name), rows, caption=self.description)._repr_html_()
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+class MixedMode(PrecisionMode):
+    """Weights stay fp32; forward runs under torch.autocast in the low dtype."""
+
+    def forward_context(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        return torch.autocast(_device_type(device), dtype=self.autocast_dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        # Fabric casts inputs to the autocast dtype; autocast casts them again where needed.
+        return cast_floats(data, self.autocast_dtype)
+
+
+class TrueMode(PrecisionMode):
+    """Everything in one dtype: module cast, default dtype set while building and in forward."""
+
+    def forward_context(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        return default_dtype(self.param_dtype)
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return default_dtype(self.param_dtype)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=self.param_dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        return cast_floats(data, self.param_dtype)
+
+
+class Fp32True(PrecisionMode):
+    name = "32-true"
+    aliases = (32, "32")
+    description = "fp32 everywhere (the reference)"
+
+
+class Fp16Mixed(MixedMode):
+    name = "16-mixed"
+    aliases = (16, "16")
+    autocast_dtype = torch.float16
+    uses_scaler = True
+    description = "fp32 weights, fp16 autocast, GradScaler against gradient underflow"
+    requirements = "CUDA for speed; runs on CPU (torch >= 2.3) without native fp16 units"
+
+    def make_scaler(self, device: str | torch.device = "cpu") -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(_device_type(device))
+
+
+class Bf16Mixed(MixedMode):
+    name = "bf16-mixed"
+    aliases = ("bf16",)
+    autocast_dtype = torch.bfloat16
+    description = "fp32 weights, bf16 autocast; bf16 has fp32's range, so no GradScaler"
+    requirements = "CUDA compute capability >= 8.0, or a CPU"
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        found = _cuda_present(device)
+        if found.ok and _device_type(device) == "cuda" and not torch.cuda.is_bf16_supported():
+            return Availability(False, "needs a GPU with bf16 (compute capability >= 8.0)", "16-mixed")
+        return found
+
+
+class Fp16True(TrueMode):
+    name = "16-true"
+    param_dtype = torch.float16
+    description = "everything fp16: half the memory, no master weights, no loss scaling"
+    requirements = "CUDA for speed; runs on CPU without native fp16 units"
+
+
+class Bf16True(TrueMode):
+    name = "bf16-true"
+    param_dtype = torch.bfloat16
+    description = "everything bf16: half the memory, updates smaller than bf16's eps are lost"
+    requirements = Bf16Mixed.requirements
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        found = Bf16Mixed.availability(self, device)
+        return found if found.ok or found.fallback == "cpu" else Availability(False, found.reason, "16-true")
+
+
+class Fp64True(TrueMode):
+    name = "64-true"
+    aliases = (64, "64")
+    param_dtype = torch.float64
+    description = "fp64 everywhere: a high-accuracy reference, slow on GPUs"
+
+
+class TransformerEngine(PrecisionMode):
+    """FP8 via NVIDIA Transformer Engine with bf16 weights (Lightning's 'transformer-engine')."""
+
+    name = "transformer-engine"
+    param_dtype = torch.bfloat16
+    description = "FP8 matmuls (e4m3 forward, e5m2 backward) with per-tensor delayed scaling"
+    requirements = "NVIDIA Transformer Engine on a GPU with compute capability >= 8.9"
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        return Availability(False, "FP8 modes are not implemented yet", "bf16-mixed")
+
+
+class TransformerEngineFloat16(TransformerEngine):
+    """FP8 via Transformer Engine with fp16 weights (Lightning's 'transformer-engine-float16')."""
+
+    name = "transformer-engine-float16"
+    param_dtype = torch.float16
+
+
+MODES: dict[str, PrecisionMode] = {
+    cls.name: cls()
+    for cls in (
+        Fp32True,
+        Fp16Mixed,
+        Bf16Mixed,
+        Fp16True,
+        Bf16True,
+        Fp64True,
+        TransformerEngine,
+        TransformerEngineFloat16,
+    )
+}
+ALIASES: dict[Any, str] = {alias: mode.name for mode in MODES.values() for alias in mode.aliases}
+
+
+def get_mode(mode: str | int | PrecisionMode) -> PrecisionMode:
+    """Look up a mode by Lightning string, legacy alias (16, "bf16", 32, 64) or instance."""
+    if isinstance(mode, PrecisionMode):
+        return mode
+    key = mode.strip().lower() if isinstance(mode, str) else mode
+    if isinstance(key, (str, int)) and not isinstance(key, bool):
+        if key in MODES:
+            return MODES[key]
+        if key in ALIASES:
+            return MODES[ALIASES[key]]
+    aliases = ", ".join(f"{a!r}->{n}" for a, n in ALIASES.items())
+    raise ValueError(
+        f"unknown precision mode {mode!r}; choose one of {', '.join(MODES)} (aliases: {aliases})"
+    )
