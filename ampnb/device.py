@@ -1,0 +1,232 @@
+"""Which devices exist, what each can do (measured), and a TF32 switch that always restores state."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import platform
+from dataclasses import dataclass
+
+import torch
+
+from ampnb._html import Table
+from ampnb._matmul_speed import Throughput, matmul_throughput, throughput_table
+from ampnb._tf32_flags import TF32State, restore_tf32, set_tf32, tf32, tf32_state
+from ampnb.formats import FORMATS, FloatFormat, get_format
+
+__all__ = ["DeviceInfo", "Support", "TF32State", "Throughput", "devices", "get_device",
+           "matmul_throughput", "restore_tf32", "set_tf32", "support", "support_table", "tf32",
+           "tf32_effect", "tf32_state", "throughput_table"]
+
+# ---------------------------------------------------------------- devices
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A device present on this machine."""
+
+    name: str                           # what torch.device accepts: "cpu", "cuda:0", "mps"
+    type: str                           # "cpu", "cuda" or "mps"
+    label: str                          # human description, e.g. "NVIDIA A100-SXM4-40GB"
+    capability: tuple[int, int] | None  # CUDA compute capability; None elsewhere
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """ISA flags from /proc/cpuinfo (empty where the OS does not expose them)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":")[0].strip() in ("flags", "Features"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def _devices() -> tuple[DeviceInfo, ...]:
+    cpu_isa = torch.backends.cpu.get_cpu_capability()
+    found = [DeviceInfo("cpu", "cpu", f"{_cpu_model()} ({cpu_isa}, {torch.get_num_threads()} threads)",
+                        None)]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            found.append(DeviceInfo(f"cuda:{i}", "cuda", torch.cuda.get_device_name(i),
+                                    tuple(torch.cuda.get_device_capability(i))))
+    if torch.backends.mps.is_available():
+        found.append(DeviceInfo("mps", "mps", "Apple Metal (MPS)", None))
+    return tuple(found)
+
+
+def devices() -> list[DeviceInfo]:
+    """Every device present: cpu, then cuda:N, then mps."""
+    return list(_devices())
+
+
+def get_device(device: str | torch.device | DeviceInfo) -> DeviceInfo:
+    """A present device by name ("cpu", "cuda", "cuda:0", "mps") or torch.device."""
+    present = _devices()
+    names = ", ".join(d.name for d in present)
+    try:
+        dev = torch.device(device.name if isinstance(device, DeviceInfo) else device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"unknown device {device!r}; available: {names}") from None
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    wanted = dev.type if dev.type in ("cpu", "mps") else str(dev)
+    for d in present:
+        if d.name == wanted:
+            return d
+    raise ValueError(f"device {str(device)!r} is not available on this machine; available: {names}")
+
+
+# ---------------------------------------------------------------- support
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a mode or format runs on a device, at native speed, and why (not)."""
+
+    ok: bool
+    native: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @property
+    def text(self) -> str:
+        """Cell text: 'yes (native)', 'yes (slow: ...)', 'no: ...'."""
+        if not self.ok:
+            return f"no: {self.reason}"
+        return f"yes ({self.reason})" if self.reason else "yes (native)"
+
+
+@functools.cache
+def _cpu_native(fmt_name: str) -> bool:
+    """Whether this CPU has hardware units for fp16 / bf16 arithmetic (not emulation)."""
+    flags, mkldnn = _cpu_flags(), torch.ops.mkldnn
+    if fmt_name == "fp16":
+        probe = getattr(mkldnn, "_is_mkldnn_fp16_supported", None)
+        return bool(flags & {"avx512_fp16", "amx_fp16", "asimdhp"}) or bool(probe and probe())
+    # mkldnn's bf16 check accepts plain AVX512 (emulated bf16); the flags name real bf16 units.
+    if flags:
+        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    probe = getattr(mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe and probe())
+
+
+_FP8_MATMUL_CC = (8, 9)  # Ada/Hopper: first GPUs with FP8 tensor cores
+_AMPERE_CC = (8, 0)      # bf16 and TF32 tensor cores
+
+
+def _format_support(f: FloatFormat, dev: DeviceInfo) -> Support:
+    cc = dev.capability
+    cc_text = f"this GPU: {cc[0]}.{cc[1]}" if cc else ""
+    if f.name == "tf32":
+        if dev.type != "cuda":
+            return Support(False, False, "needs CUDA (Ampere+, compute capability >= 8.0)")
+        if cc < _AMPERE_CC:
+            return Support(False, False, f"needs compute capability >= 8.0 ({cc_text})")
+        return Support(True, True)
+    if f.torch_dtype is None:
+        return Support(False, False, f"no torch dtype for {f.name}: emulate it with ampnb.quantize")
+    if dev.type == "mps" and (f.bits == 8 or f.name == "fp64"):
+        return Support(False, False, f"MPS has no {f.name}")
+    if f.bits == 8:
+        if "fnuz" in f.name:
+            native = bool(torch.version.hip) and dev.type == "cuda" and "gfx94" in str(
+                getattr(torch.cuda.get_device_properties(dev.name), "gcnArchName", ""))
+            return Support(True, native, "" if native else "emulated: FNUZ FP8 units are on AMD MI300")
+        if dev.type == "cuda" and cc >= _FP8_MATMUL_CC:
+            return Support(True, True)
+        need = f"compute capability >= 8.9, {cc_text}" if cc else "a GPU with compute capability >= 8.9"
+        return Support(True, False, f"emulated: FP8 matmul needs {need}")
+    if f.name == "bf16" and dev.type == "cuda" and cc < _AMPERE_CC:
+        return Support(False, False, f"needs compute capability >= 8.0 ({cc_text})")
+    if f.name in ("fp16", "bf16") and dev.type == "cpu" and not _cpu_native(f.name):
+        return Support(True, False, f"slow: no native {f.name} units on this CPU")
+    return Support(True, True)
+
+
+def support(mode_or_format: object, device: str | torch.device | DeviceInfo = "cpu") -> Support:
+    """Whether a precision mode or float format runs on a device, natively, and why (not).
+
+    A string that names a format ("bf16", "fp16") means the format; modes go by their full
+    name ("bf16-mixed") or a legacy number (16, 32, 64).
+    """
+    target = _mode_or_format(mode_or_format)
+    if _absent_device_type(device):
+        kind = torch.device(device).type.upper()
+        return Support(False, False, f"needs {kind}, which this machine does not have")
+    dev = get_device(device)
+    if isinstance(target, FloatFormat):
+        return _format_support(target, dev)
+    found = target.availability(dev.name)
+    if not found.ok:
+        return Support(False, False, found.reason)
+    return _format_support(get_format(target.compute_dtype), dev)
+
+
+def _mode_or_format(x: object) -> object:
+    from ampnb.modes import MODES, PrecisionMode, get_mode
+
+    if isinstance(x, PrecisionMode) or (isinstance(x, str) and x.strip().lower() in MODES):
+        return get_mode(x)
+    with contextlib.suppress(ValueError, TypeError):
+        return get_format(x)
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        return get_mode(x)
+    raise ValueError(f"unknown mode or format {x!r}; modes: {', '.join(MODES)}; "
+                     f"formats: {', '.join(FORMATS)}")
+
+
+def _absent_device_type(device: object) -> bool:
+    """A valid torch device type whose hardware is missing here (e.g. 'cuda' on a laptop)."""
+    try:
+        kind = torch.device(device.name if isinstance(device, DeviceInfo) else device).type
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return kind in ("cuda", "mps") and all(d.type != kind for d in _devices())
+
+
+def support_table() -> Table:
+    """Modes then formats against every device present: supported, native, or why not."""
+    from ampnb.modes import MODES
+
+    present = _devices()
+    rows = [(name, *(support(name, d).text for d in present)) for name in (*MODES, *FORMATS)]
+    notes = [f"{d.name}: {d.label}" + (f", compute capability {d.capability[0]}.{d.capability[1]}"
+                                        if d.capability else "") for d in present]
+    notes.append("Native fp16/bf16 on a CPU means AVX512-FP16/AMX-FP16 and AVX512-BF16/AMX-BF16 "
+                 "(x86) or the ARM fp16/bf16 extensions; without them torch runs slower fallback kernels.")
+    return Table(("mode / format", *(d.name for d in present)), rows,
+                 caption="Precision support on this machine", notes=notes)
+
+
+# ---------------------------------------------------------------- TF32
+
+
+def tf32_effect(device: str | torch.device | DeviceInfo = "cpu") -> str:
+    """What the TF32 switch does on a device, in one sentence."""
+    dev = get_device(device)
+    now = "on" if tf32_state().matmul else "off"
+    if dev.type != "cuda":
+        return (f"TF32 has no effect on {dev.name}: it is a CUDA tensor-core mode (Ampere+, "
+                f"compute capability >= 8.0); fp32 matmuls here stay full fp32 (switch: {now})")
+    cc = ".".join(map(str, dev.capability))
+    if dev.capability < _AMPERE_CC:
+        return f"TF32 has no effect on {dev.name} ({dev.label}, compute capability {cc} < 8.0)"
+    return (f"TF32 is {now} for fp32 matmuls on {dev.name} ({dev.label}, compute capability "
+            f"{cc}): 10-bit mantissa inputs, fp32 range and accumulation")
