@@ -12,6 +12,7 @@ _EXPORTS = {
     "plot_layer_summary": "ampnb.plots.ranges",
     "plot_loss_scale_effect": "ampnb.plots.ranges",
     "plot_scale_history": "ampnb.plots.scale",
+    "plot_grad_scaling": "ampnb.plots.scale",
     "plot_loss_curve": "ampnb.plots.training",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,155 @@
+"""What the stepper saw: per-stage and per-step records, gradient statistics, the history table."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ampnb._html import Table
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the canonical AMP loop and the line of code that performs it."""
+
+    name: str
+    code: str
+    micro: bool  # True for the stages repeated once per micro-step
+
+
+# nanoGPT's order (STYLE.md); the listing in the panel is built from these lines.
+STAGES: tuple[Stage, ...] = (
+    Stage("forward", "with autocast:  loss = loss_fn(model(x), y)", True),
+    Stage("divide", "loss = loss / accumulation_steps", True),
+    Stage("backward", "scaler.scale(loss).backward()", True),
+    Stage("unscale", "scaler.unscale_(optimizer)", False),
+    Stage("clip", "clip_grad_norm_(model.parameters(), clip_norm)", False),
+    Stage("step", "scaler.step(optimizer)", False),
+    Stage("update", "scaler.update()", False),
+    Stage("zero_grad", "optimizer.zero_grad(set_to_none=True)", False),
+)
+STAGE_BY_NAME = {s.name: s for s in STAGES}
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """Summary of all parameter gradients at one moment (fp32 arithmetic)."""
+
+    norm: float
+    max_abs: float
+    min_abs_nonzero: float | None  # measured where underflow matters: after unscale_
+    nonfinite: int
+    numel: int
+
+    def summary(self) -> str:
+        low = "" if self.min_abs_nonzero is None else f", min nonzero {self.min_abs_nonzero:.4g}"
+        return f"|g| {self.norm:.4g}, max {self.max_abs:.4g}{low}, non-finite {self.nonfinite}"
+
+
+def flat_grads(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """All gradients as one new fp32 vector (a copy), or None when there are none."""
+    grads = [p.grad.detach().float().reshape(-1) for p in params if p.grad is not None]
+    return torch.cat(grads) if grads else None
+
+
+def grad_stats(params: Sequence[torch.Tensor]) -> GradStats | None:
+    """Norm, extremes and non-finite count of the gradients of params (None if no gradients)."""
+    return stats_of(flat_grads(params))
+
+
+def stats_of(flat: torch.Tensor | None, smallest: bool = False) -> GradStats | None:
+    """GradStats of a flat gradient vector; the smallest nonzero |g| only when asked (costly)."""
+    if flat is None:
+        return None
+    magnitude = flat.abs()
+    norm, top = torch.stack([torch.linalg.vector_norm(flat), magnitude.amax()]).tolist()
+    nonfinite = 0
+    if not math.isfinite(top):  # rare path: count the inf/NaN and look past them
+        finite = torch.isfinite(magnitude)
+        nonfinite = int(finite.logical_not().sum().item())
+        magnitude = magnitude.where(finite, 0.0)
+        top = magnitude.amax().item()
+    low = None
+    if smallest:  # where() rather than boolean indexing: no data-dependent shapes
+        low = magnitude.where(magnitude > 0, float("inf")).amin().item()
+        low = low if math.isfinite(low) else 0.0
+    return GradStats(norm, top, low, nonfinite, flat.numel())
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """What one stage did: the loss or gradients it left, the scale, and a plain-words note."""
+
+    step: int
+    micro_step: int | None
+    stage: str
+    scale: float
+    loss: float | None = None
+    grads: GradStats | None = None
+    found_inf: bool | None = None
+    skipped: bool | None = None
+    note: str = ""
+
+    def summary(self) -> str:
+        micro = "" if self.micro_step is None else f", micro-step {self.micro_step}"
+        where = f"step {self.step}{micro}:"
+        parts = [f"{where} {self.stage}", f"scale {format_scale(self.scale)}"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.6g}")
+        if self.grads is not None:
+            parts.append(self.grads.summary())
+        if self.found_inf is not None:
+            parts.append(f"found_inf {self.found_inf}")
+        if self.skipped is not None:
+            parts.append(f"skipped {self.skipped}")
+        return " | ".join(parts) + (f" -- {self.note}" if self.note else "")
+
+    __str__ = summary
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step: its micro-step losses, the scale before and after, skip or not."""
+
+    step: int
+    losses: tuple[float, ...]
+    scale: float
+    new_scale: float
+    growth_tracker: int
+    found_inf: bool
+    skipped: bool
+    grad_norm_scaled: float
+    grad_norm_unscaled: float
+    grad_norm_clipped: float
+    clipped: bool
+    injected: str = ""
+
+    @property
+    def loss(self) -> float:
+        """The step's loss as nanoGPT logs it: the mean over its micro-steps."""
+        return sum(self.losses) / len(self.losses)
+
+
+def format_scale(scale: float) -> str:
+    """A scale as a number and, when it is one, as a power of two (scales usually are)."""
+    if scale > 0 and math.isfinite(scale):
+        mant, exp = math.frexp(scale)
+        if mant == 0.5:
+            return f"{scale:g} (2^{exp - 1})"
+    return f"{scale:g}"
+
+
+def history_table(history: Sequence[StepRecord], last: int | None = None) -> Table:
+    """The step records as a deterministic table (the last `last` rows when given)."""
+    rows = [
+        (r.step, f"{r.loss:.5g}", format_scale(r.scale), format_scale(r.new_scale),
+         r.growth_tracker, r.found_inf, r.skipped, f"{r.grad_norm_scaled:.4g}",
+         f"{r.grad_norm_unscaled:.4g}", "yes" if r.clipped else "no", r.injected or "-")
+        for r in (history if last is None else history[-last:])
+    ]
+    headers = ("step", "loss", "scale", "new scale", "growth tracker", "found_inf", "skipped",
+               "|g| scaled", "|g| unscaled", "clipped", "injected")
+    return Table(headers, rows, caption="GradScaler history (one row per optimizer step)")

@@ -1,0 +1,271 @@
+"""ScalerStepper: a real torch.amp.GradScaler driven through the canonical loop, stage by stage."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ampnb._html import Table
+from ampnb.scaler.records import StageRecord, StepRecord, history_table
+from ampnb.scaler.settings import ScalerSettings
+from ampnb.scaler.stages import RUNNERS
+
+_INJECT = {"inf": float("inf"), "nan": float("nan")}
+_KEEP_STAGES = 10_000
+
+
+def _resolve_device(model: torch.nn.Module, device: str | torch.device | None) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    if first is None:
+        raise ValueError("model has no parameters; ScalerStepper needs a model with parameters.")
+    if device is None:
+        return first.device
+    dev = torch.device(device)
+    if dev.type != first.device.type:
+        raise ValueError(f"device={str(device)!r} but the model is on {first.device}; "
+                         f"allowed: the model's device (move the model first).")
+    return first.device
+
+
+def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    own = {id(p) for p in model.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(id(p) in own for p in held):
+        raise ValueError(f"optimizer {type(optimizer).__name__} holds {len(held)} parameters, none "
+                         f"of them the model's; allowed: an optimizer built on model.parameters().")
+
+
+def _resolve_enabled(mode: Any, enabled: bool | None) -> bool:
+    if enabled is None:
+        return bool(mode.uses_scaler)
+    if enabled not in (True, False):
+        raise ValueError(f"enabled={enabled!r} is not allowed; it must be None, True or False.")
+    if enabled and not mode.uses_scaler:
+        raise ValueError(f"enabled=True but mode {mode.name!r} does not use a GradScaler; "
+                         f"allowed: enabled=True only with a mode that needs one (16-mixed).")
+    return enabled
+
+
+class ScalerStepper:
+    """Walk forward, divide, scaled backward, unscale_, clip, step, update, zero_grad; record all."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[[Any, Any], torch.Tensor], batches: Iterable[Any],
+                 mode: Any = "16-mixed", device: str | torch.device | None = None,
+                 accumulation_steps: int = 1, clip_norm: float | None = None,
+                 init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 enabled: bool | None = None) -> None:
+        from ampnb.modes import get_mode  # written in parallel; keeps import order flexible
+
+        # Everything is checked before the model, optimizer or torch state is touched.
+        settings = ScalerSettings(accumulation_steps, clip_norm, init_scale, growth_factor,
+                                  backoff_factor, growth_interval)
+        self.mode = get_mode(mode)
+        self.device = _resolve_device(model, device)
+        _check_optimizer(model, optimizer)
+        self.enabled = _resolve_enabled(self.mode, enabled)
+        self.batches = list(batches)
+        if not self.batches:
+            raise ValueError("batches is empty; allowed: at least one (inputs, targets) pair.")
+        self.mode.check(self.device)
+        converted = self.mode.convert_module(model)
+        self.model = model if converted is None else converted
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.settings = settings
+        self._initial = {"model": copy.deepcopy(self.model.state_dict()),
+                         "optimizer": copy.deepcopy(optimizer.state_dict())}
+        self._start(settings)
+
+    # ----- set-up -------------------------------------------------------------------------
+
+    def _start(self, settings: ScalerSettings) -> None:
+        self.settings = settings
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.enabled,
+                                           **settings.scaler_kwargs())
+        self._params = list(self.model.parameters())
+        self.history: list[StepRecord] = []
+        # Stage records of recent steps only, so a long Run N cannot grow memory without end.
+        self.stages: deque[StageRecord] = deque(maxlen=_KEEP_STAGES)
+        self.step_index = 0
+        self.batch_index = 0
+        self._cursor = 0
+        self._plan = ("forward", "divide", "backward") * settings.accumulation_steps + (
+            "unscale", "clip", "step", "update", "zero_grad")
+        self._injection: tuple[str, str | None] | None = None
+        self.last_grads: dict[str, torch.Tensor | None] = {}
+        self._clear_step()
+
+    def _clear_step(self) -> None:
+        self._loss: torch.Tensor | None = None
+        self._flat: torch.Tensor | None = None
+        self._losses: list[float] = []
+        self._step_scale = self.scale
+        self._notes: dict[str, Any] = {"injected": ""}
+
+    def reset(self, **changes: Any) -> None:
+        """Back to the initial model/optimizer state, with new settings (e.g. init_scale=2.**10)."""
+        bad = set(changes) - {f.name for f in dataclasses.fields(ScalerSettings)}
+        if bad:
+            allowed = ", ".join(f.name for f in dataclasses.fields(ScalerSettings))
+            raise ValueError(f"reset() got {sorted(bad)}; allowed: {allowed}.")
+        settings = dataclasses.replace(self.settings, **changes)  # validates first
+        self.model.load_state_dict(self._initial["model"])
+        self.optimizer.load_state_dict(self._initial["optimizer"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self._start(settings)
+
+    # ----- what a learner reads -----------------------------------------------------------
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale (1.0 when the scaler is disabled)."""
+        return float(self.scaler.get_scale())
+
+    @property
+    def growth_tracker(self) -> int:
+        """Clean steps in a row since the last growth or backoff."""
+        return int(self.scaler.state_dict().get("_growth_tracker", 0))
+
+    @property
+    def next_stage_name(self) -> str:
+        return self._plan[self._cursor]
+
+    @property
+    def micro_step(self) -> int:
+        """Index of the micro-step the next micro stage belongs to."""
+        return min(self._cursor // 3, self.settings.accumulation_steps - 1)
+
+    @property
+    def mid_step(self) -> bool:
+        return self._cursor != 0
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self._params
+
+    @property
+    def layers(self) -> list[str]:
+        """Names of the modules that own parameters directly (targets for inject)."""
+        return [n for n, m in self.model.named_modules()
+                if any(True for _ in m.parameters(recurse=False))]
+
+    def listing(self) -> list[tuple[str | None, str]]:
+        """The loop's code, one (stage name or None, line) per line, with this run's settings."""
+        dtype = self.mode.autocast_dtype
+        acc = self.settings.accumulation_steps
+        clip = "" if self.settings.clipping else "    # clip_norm off: no-op"
+        off = "" if self.enabled else "  # scaler disabled: no-op"
+        forward = (f"    with torch.autocast({self.device.type!r}, dtype={dtype}):" if dtype
+                   else f"    with nullcontext():  # {self.mode.name}: no autocast")
+        return [
+            (None, f"for micro_step in range({acc}):"),
+            (None, "    x, y = next(batches)"),
+            ("forward", forward),
+            ("forward", "        loss = loss_fn(model(x), y)"),
+            ("divide", f"    loss = loss / {acc}"),
+            ("backward", "    scaler.scale(loss).backward()" + off),
+            ("unscale", "scaler.unscale_(optimizer)" + off),
+            ("clip", f"clip_grad_norm_(model.parameters(), {self.settings.clip_norm}){clip}"),
+            ("step", "scaler.step(optimizer)" + (off or "       # skipped if found_inf")),
+            ("update", "scaler.update()" + (off or "              # backoff or growth")),
+            ("zero_grad", "optimizer.zero_grad(set_to_none=True)"),
+        ]
+
+    def table(self, last: int | None = None) -> Table:
+        """The history as a table (`ampnb._html.Table`)."""
+        return history_table(self.history, last)
+
+    # ----- fault injection ----------------------------------------------------------------
+
+    def inject(self, kind: str = "inf", layer: str | None = None) -> None:
+        """Make the next micro-step's gradients inf or NaN (all parameters, or one layer's)."""
+        if kind not in _INJECT:
+            raise ValueError(f"kind={kind!r} is not allowed; allowed: {', '.join(_INJECT)}.")
+        if layer is not None and layer not in self.layers:
+            raise ValueError(f"layer={layer!r} is not a module with parameters; "
+                             f"allowed: None (all) or one of {self.layers}.")
+        self._injection = (kind, layer)
+
+    def _apply_injection(self) -> str:
+        kind, layer = self._injection
+        self._injection = None
+        target = self.model if layer is None else self.model.get_submodule(layer)
+        with torch.no_grad():
+            for p in target.parameters(recurse=layer is None):
+                if p.grad is not None:
+                    p.grad.fill_(_INJECT[kind])
+        return f"{kind} in {layer or 'all'}"
+
+    # ----- running ------------------------------------------------------------------------
+
+    def next_stage(self) -> StageRecord:
+        """Run the next stage of the loop and return its record."""
+        name = self._plan[self._cursor]
+        record = RUNNERS[name](self)
+        self.stages.append(record)
+        self._cursor += 1
+        if self._cursor == len(self._plan):
+            self._cursor = 0
+            self.step_index += 1
+            self._clear_step()
+        return record
+
+    def step(self) -> StepRecord:
+        """Finish the current optimizer step (all its remaining stages) and return its record."""
+        self.next_stage()
+        while self._cursor != 0:
+            self.next_stage()
+        return self.history[-1]
+
+    def run(self, n: int) -> list[StepRecord]:
+        """Run n optimizer steps."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n={n!r} is not allowed; it must be an integer >= 0.")
+        return [self.step() for _ in range(n)]
+
+    # ----- checkpoints --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """A deep copy of model, optimizer, scaler and the stepper's position (between steps)."""
+        if self.mid_step:
+            raise ValueError(f"state_dict() in the middle of step {self.step_index} (next stage "
+                             f"{self.next_stage_name!r}); allowed: between steps (call .step()).")
+        return copy.deepcopy({
+            "mode": self.mode.name, "enabled": self.enabled,
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(), "step_index": self.step_index,
+            "batch_index": self.batch_index, "settings": dataclasses.asdict(self.settings),
+            "history": list(self.history)})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`: the next steps are those the saved stepper would take."""
+        missing = {"mode", "enabled", "model", "optimizer", "scaler", "step_index", "batch_index",
+                   "settings", "history"} - set(state)
+        if missing:
+            raise ValueError(f"state is missing {sorted(missing)}; allowed: a ScalerStepper.state_dict().")
+        saved, here = (state["mode"], state["enabled"]), (self.mode.name, self.enabled)
+        if saved != here:  # a scaler's state means nothing to a loop without one, and back
+            raise ValueError(f"state was saved with mode {saved[0]!r}, scaler enabled={saved[1]}; "
+                             f"allowed: this stepper's mode {here[0]!r}, enabled={here[1]}.")
+        settings = ScalerSettings(**state["settings"])
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.optimizer.zero_grad(set_to_none=True)
+        self._start(settings)
+        if self.enabled:
+            self.scaler.load_state_dict(state["scaler"])
+        self.step_index = state["step_index"]
+        self.batch_index = state["batch_index"]
+        self.history = list(state["history"])
+        self._clear_step()
+
+    def __repr__(self) -> str:
+        return (f"ScalerStepper(mode={self.mode.name!r}, step={self.step_index}, next stage "
+                f"{self.next_stage_name!r}, scale={self.scale:g}, enabled={self.enabled})")

@@ -1,0 +1,44 @@
+"""bf16-mixed runs with the scaler disabled; 16-true explains unscaling fp16 gradients."""
+
+from __future__ import annotations
+
+import torch
+from test_scaler import make, plain_loop
+
+from ampnb import get_mode
+from ampnb.scaler import ScalerStepper, diagnose
+
+
+def test_bf16_mixed_disables_the_scaler_and_matches_plain_bf16_loop():
+    ref_model, ref_opt, loss_fn, batches = make()
+    plain_loop(ref_model, ref_opt, loss_fn, batches, 3, accum=2, dtype=torch.bfloat16,
+               scaler_on=False)
+    model, opt, loss_fn, batches = make()
+    stepper = ScalerStepper(model, opt, loss_fn, batches, mode="bf16-mixed", accumulation_steps=2)
+    assert stepper.enabled is False and not stepper.scaler.is_enabled()
+    history = stepper.run(3)
+    assert all(r.scale == 1.0 and not r.skipped for r in history)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    assert [g.case for g in diagnose(stepper)] == ["bf16_no_scaler"]
+
+
+def test_bf16_mixed_without_scaler_does_not_skip_nan():
+    model, opt, loss_fn, batches = make()
+    stepper = ScalerStepper(model, opt, loss_fn, batches, mode="bf16-mixed")
+    stepper.inject("nan")
+    record = stepper.step()
+    # No scaler stands guard: found by looking, and the step is applied anyway.
+    assert record.found_inf and not record.skipped
+    assert all(torch.isnan(p).all() for p in model.parameters())
+
+
+def test_16_true_runs_without_scaler_and_explains_fp16_gradients():
+    mode = get_mode("16-true")
+    model, opt, loss_fn, batches = make(opt="sgd")
+    stepper = ScalerStepper(model, opt, loss_fn, batches, mode=mode)
+    assert stepper.enabled is False
+    assert all(p.dtype == mode.param_dtype for p in model.parameters())
+    stepper.run(1)
+    guidance = diagnose(stepper)
+    assert [g.case for g in guidance] == ["fp16_grads"]
+    assert "Attempting to unscale FP16 gradients" in guidance[0].torch_says
