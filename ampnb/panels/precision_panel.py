@@ -1,0 +1,195 @@
+"""PrecisionPanel: flip mode, device and TF32 on a model while it trains, and watch the loss."""
+
+from __future__ import annotations
+
+import html
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as widgets
+from IPython.display import clear_output, display
+
+from ampnb.device import devices, tf32_effect
+from ampnb.modes import MODES
+from ampnb.plots._axes import new_axes
+from ampnb.plots.training import plot_loss_curve
+from ampnb.workbench import PrecisionLossWarning, Workbench
+from ampnb.workbench.ops import op_summary
+from ampnb.workbench.records import format_bytes
+
+_REDRAW_EVERY_S = 0.5  # during Run N: often enough to look live, rarely enough to stay cheap
+
+
+def _dtype(d: Any) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def mode_options(device: str) -> list[tuple[str, str]]:
+    """(label, mode name) for the dropdown; an unavailable mode's label says why."""
+    options = []
+    for name, mode in MODES.items():
+        found = mode.availability(device)
+        options.append((name if found.ok else f"{name} (unavailable: {found.reason})", name))
+    return options
+
+
+class PrecisionPanel:
+    """Mode / device / TF32 controls, Step / Run N / Reset, live loss curve and measurements."""
+
+    def __init__(self, workbench: Workbench | None = None, run_n: int = 10,
+                 window: int = 10) -> None:
+        if workbench is None:
+            from ampnb.models import demo
+
+            workbench = Workbench(*demo("mlp"))
+        self.workbench, self.window = workbench, window
+        wb, style = workbench, {"description_width": "initial"}
+        self.mode = widgets.Dropdown(options=mode_options(str(wb.device)), value=wb.mode.name,
+                                     description="mode", style=style)
+        self.device = widgets.Dropdown(options=[d.name for d in devices()], value=str(wb.device),
+                                       description="device", style=style)
+        self.tf32 = widgets.ToggleButton(value=wb.tf32, description="TF32", icon="bolt",
+                                         tooltip="allow TF32 tensor-core matmuls (CUDA, Ampere+)")
+        self.buttons = {name: widgets.Button(description=name, layout={"width": "auto"})
+                        for name in ("Step", "Run N", "Reset")}
+        self.n = widgets.BoundedIntText(run_n, min=1, max=100_000, description="N",
+                                        layout={"width": "140px"})
+        self.status = widgets.HTML()
+        self.ops = widgets.HTML()
+        self.message = widgets.HTML()
+        self.out = widgets.Output()
+        self.ax = new_axes(figsize=(7.0, 3.0))
+        self.figure = self.ax.figure
+        self.draws = 0
+        self._syncing = False  # True while the panel itself writes widget values
+        actions = {"Step": self._step, "Run N": self._run_n, "Reset": self._reset}
+        for name, action in actions.items():
+            self.buttons[name].on_click(lambda _b, a=action: self._safely(a))
+        self.mode.observe(lambda c: self._on_change(self._set_mode, c), names="value")
+        self.device.observe(lambda c: self._on_change(self._set_device, c), names="value")
+        self.tf32.observe(lambda c: self._on_change(self._set_tf32, c), names="value")
+        b = self.buttons
+        self.widget = widgets.VBox([
+            widgets.HBox([self.mode, self.device, self.tf32]),
+            widgets.HBox([b["Step"], b["Run N"], self.n, b["Reset"]]),
+            self.message,
+            widgets.HBox([self.out, widgets.VBox([self.status, self.ops])]),
+        ])
+        self._safely(lambda: (self._trace(), "ready: press Step or Run N")[1])
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # ----- actions (each refreshes the view; errors are shown, never swallowed) ------------
+
+    def _safely(self, action: Callable[[], str | None]) -> None:
+        try:
+            with warnings.catch_warnings():
+                # The panel shows the Workbench's notes itself; a warning would land elsewhere.
+                warnings.simplefilter("ignore", PrecisionLossWarning)
+                note = action()
+            self.message.value = ""
+            self._refresh(note)
+        except Exception as err:  # noqa: BLE001 - shown to the learner in the panel
+            self._show_error(err)
+            self._sync_widgets()
+            try:
+                self._refresh(None)
+            except Exception as again:  # noqa: BLE001 - shown too, after the first
+                self.message.value += f"<pre>{html.escape(repr(again))}</pre>"
+
+    def _on_change(self, setter: Callable[[Any], str | None], change: dict[str, Any]) -> None:
+        if not self._syncing:
+            self._safely(lambda: setter(change["new"]))
+
+    def _set_mode(self, name: str) -> str:
+        notes = self.workbench.set(mode=name)
+        self._trace()
+        return " ".join(notes) or f"switched to {name}"
+
+    def _set_device(self, name: str) -> str:
+        notes = self.workbench.set(device=name)
+        self._sync_widgets()
+        return " ".join(notes) or f"moved to {name}"
+
+    def _set_tf32(self, enabled: bool) -> str:
+        self.workbench.set(tf32=enabled)
+        return tf32_effect(self.workbench.device)
+
+    def _step(self) -> str:
+        r = self.workbench.step()
+        return f"step {r.step}: loss {r.loss:.5g}" + (" (skipped by GradScaler)" if r.skipped else "")
+
+    def _run_n(self) -> str:
+        last_draw, records = time.perf_counter(), []
+        for _ in range(int(self.n.value)):
+            records.append(self.workbench.step())
+            if time.perf_counter() - last_draw > _REDRAW_EVERY_S:
+                self._refresh(f"running: {len(records)}/{self.n.value}")
+                last_draw = time.perf_counter()
+        skipped = sum(r.skipped for r in records)
+        return f"ran {len(records)} steps" + (f"; {skipped} skipped by GradScaler" if skipped else "")
+
+    def _reset(self) -> str:
+        self.workbench.restore()
+        self._sync_widgets()
+        self._trace()
+        return "reset to the weights, optimizer state and settings the Workbench started with"
+
+    def _trace(self) -> None:
+        summary = op_summary(self.workbench)
+        self.ops.value = "" if summary is None else summary._repr_html_()
+
+    def _show_error(self, err: Exception) -> None:
+        text = f"{type(err).__name__}: {err}"
+        self.message.value = (f'<div style="color:#b00"><b>{html.escape(text)}</b><details>'
+                              f"<summary>traceback</summary><pre>"
+                              f"{html.escape(traceback.format_exc())}</pre></details></div>")
+
+    # ----- view -------------------------------------------------------------------------
+
+    def _sync_widgets(self) -> None:
+        """Make the controls show the Workbench's actual settings (after a refusal or reset)."""
+        wb = self.workbench
+        self._syncing = True
+        try:
+            self.mode.options = mode_options(str(wb.device))
+            self.mode.value, self.device.value = wb.mode.name, str(wb.device)
+            self.tf32.value = wb.tf32
+        finally:
+            self._syncing = False
+
+    def _refresh(self, note: str | None) -> None:
+        wb = self.workbench
+        last = wb.history[-1] if wb.history else None
+        ratio = wb.speedup(self.window)
+        fields = [
+            f"mode {wb.mode.name} on {wb.device}, TF32 {'on' if wb.tf32 else 'off'}",
+            f"parameters {_dtype(wb.param_dtype)}",
+            f"steps {len(wb.history)}" + (f", last loss {last.loss:.5g}" if last else ""),
+            f"step time {last.seconds * 1e3:.1f} ms" if last else "step time n/a",
+            "speedup vs 32-true " + ("n/a (needs steps in both)" if ratio is None
+                                     else f"{ratio:.2f}x (medians of recent steps)"),
+            "saved for backward " + (format_bytes(last.memory) if last else "n/a"),
+        ]
+        if last and last.cuda_peak is not None:
+            fields.append(f"CUDA peak {format_bytes(last.cuda_peak)}")
+        if wb.scaler is not None:
+            fields.append(f"loss scale {wb.scaler.get_scale():g}")
+        body = "<br>".join(html.escape(f) for f in fields)
+        if note:
+            body += f"<br><i>{html.escape(note)}</i>"
+        self.status.value = f'<div class="ampnb-precision-status">{body}</div>'
+        self._draw()
+
+    def _draw(self) -> None:
+        self.figure.clear()
+        self.ax = self.figure.add_subplot(1, 1, 1)
+        plot_loss_curve(self.workbench, ax=self.ax)
+        self.draws += 1
+        with self.out:
+            clear_output(wait=True)
+            display(self.figure)

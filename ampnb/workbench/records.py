@@ -1,0 +1,80 @@
+"""What one Workbench step leaves behind, and the figures derived from a run of them."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ampnb._html import Table
+
+REFERENCE_MODE = "32-true"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step: its loss, wall time, memory and the settings it ran under."""
+
+    step: int                  # 0-based index in the Workbench's history
+    loss: float                # the loss this step computed (before its update)
+    seconds: float             # wall time of the whole step, device synchronised
+    mode: str                  # precision mode name, e.g. "bf16-mixed"
+    device: str                # e.g. "cpu", "cuda:0"
+    tf32: bool                 # TF32 switch during the step (no effect on CPU)
+    param_dtype: torch.dtype   # dtype of the parameters that trained
+    output_dtype: torch.dtype | None  # dtype the model's forward produced (before convert_output)
+    memory: int                # bytes of tensors saved for backward (parameters not counted)
+    cuda_peak: int | None      # torch.cuda.max_memory_allocated during the step; None off CUDA
+    skipped: bool              # the GradScaler skipped optimizer.step() (inf/NaN gradients)
+    scale: float | None        # loss scale used this step; None without a GradScaler
+    first_after_switch: bool   # first step after construction/set()/restore(): one-time costs
+    notes: tuple[str, ...] = ()  # what the switches before this step changed irreversibly
+
+
+def _dtype(d: torch.dtype | None) -> str:
+    return "-" if d is None else str(d).removeprefix("torch.")
+
+
+def format_bytes(n: int | None) -> str:
+    """Bytes as B / KiB / MiB / GiB."""
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.2f} GiB"
+
+
+def recent_median(history: Sequence[StepRecord], mode: str, device: str,
+                  window: int = 10) -> float | None:
+    """Median seconds of the latest `window` steps in `mode` on `device` (warm ones if any)."""
+    runs = [r for r in history if r.mode == mode and r.device == device]
+    warm = [r for r in runs if not r.first_after_switch]
+    chosen = (warm or runs)[-window:]
+    return statistics.median(r.seconds for r in chosen) if chosen else None
+
+
+def speedup(history: Sequence[StepRecord], mode: str, device: str,
+            window: int = 10) -> float | None:
+    """Measured step-time ratio 32-true / `mode` on this device; None until both exist."""
+    ref = recent_median(history, REFERENCE_MODE, device, window)
+    cur = recent_median(history, mode, device, window)
+    if ref is None or cur is None or cur <= 0:
+        return None
+    return ref / cur
+
+
+def history_table(history: Sequence[StepRecord], last: int | None = None) -> Table:
+    """The step records as a table."""
+    rows = [(r.step, r.mode, r.device, "on" if r.tf32 else "off", _dtype(r.param_dtype),
+             f"{r.loss:.6g}", f"{r.seconds * 1e3:.1f} ms", format_bytes(r.memory),
+             format_bytes(r.cuda_peak), "yes" if r.skipped else "",
+             "-" if r.scale is None else f"{r.scale:g}")
+            for r in (history[-last:] if last else history)]
+    notes = tuple(n for r in history for n in r.notes)
+    return Table(("step", "mode", "device", "tf32", "params", "loss", "time", "saved for backward",
+                  "CUDA peak", "skipped", "scale"), rows, caption="Workbench steps", notes=notes)

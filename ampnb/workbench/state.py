@@ -1,0 +1,108 @@
+"""Master copies of model and optimizer state, and the saved-for-backward meter."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+_NARROW = (torch.float16, torch.bfloat16)
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy that loses nothing: narrow floats widen to fp32, fp32/fp64 stay as they are."""
+    t = t.detach()
+    if t.is_floating_point() and t.dtype != torch.float64:
+        return t.to("cpu", torch.float32, copy=True)
+    return t.to("cpu", copy=True)
+
+
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and every buffer (non-persistent too), by name; tied weights once."""
+    found = dict(model.named_parameters())
+    found.update((n, b) for n, b in model.named_buffers() if b is not None)
+    return found
+
+
+@dataclass(frozen=True)
+class Master:
+    """Model tensors and optimizer state at fp32 (fp64 where they were fp64), kept on the CPU."""
+
+    tensors: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    source_dtype: torch.dtype  # parameter dtype of the live model it was taken from
+    wide: bool = field(default=False)  # some floating tensor is fp64
+
+    @classmethod
+    def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> Master:
+        """Copy the live model and optimizer state."""
+        tensors = {n: _keep(t) for n, t in named_tensors(model).items()}
+        sd = optimizer.state_dict()
+        state = {i: {k: _keep(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                     for k, v in s.items()} for i, s in sd["state"].items()}
+        opt = {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
+        wide = any(t.dtype == torch.float64 for t in tensors.values())
+        return cls(tensors, opt, param_dtype(model), wide)
+
+    def load_into(self, model: nn.Module) -> None:
+        """Copy the master values into the model's tensors (casting to their dtype)."""
+        live = named_tensors(model)
+        missing = sorted(set(self.tensors) - set(live))
+        if missing:
+            raise ValueError(f"the model lost tensors {missing[:3]} while switching; allowed: a "
+                             f"mode whose convert_module keeps parameter names.")
+        with torch.no_grad():
+            for name, value in self.tensors.items():
+                live[name].copy_(value)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """A fresh copy for `optimizer.load_state_dict` (which casts it to each param's dtype)."""
+        return copy.deepcopy(self.optimizer)
+
+
+def param_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's floating parameters (ValueError when they differ)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) != 1:
+        names = sorted(str(d).removeprefix("torch.") for d in dtypes) or ["none"]
+        raise ValueError(f"model has floating parameters in {', '.join(names)}; allowed: "
+                         f"a model whose floating parameters share one dtype.")
+    return dtypes.pop()
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer, before: list[nn.Parameter],
+                      after: list[nn.Parameter], state: dict[str, Any]) -> None:
+    """Point the optimizer's groups at the converted parameters, then load the cast state."""
+    index = {id(p): i for i, p in enumerate(before)}
+    if [id(p) for p in before] != [id(p) for p in after]:
+        for group in optimizer.param_groups:
+            group["params"] = [after[index[id(p)]] for p in group["params"]]
+        optimizer.state.clear()
+    optimizer.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def saved_bytes_meter(model: nn.Module) -> Iterator[list[int]]:
+    """Sum the distinct storages autograd saves for backward; parameters are not counted."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # e.g. tensors without storage
+            return t
+        if ptr not in own and ptr not in seen:
+            seen.add(ptr)
+            total[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total

@@ -1,0 +1,166 @@
+"""PrecisionPanel: setting controls and clicking buttons drives the Workbench; the view follows."""
+
+from __future__ import annotations
+
+import html
+import warnings
+
+import pytest
+import torch
+from test_workbench import make, same, weights
+
+import ampnb.panels.precision_panel as pp
+from ampnb import _state
+from ampnb.device import devices
+from ampnb.modes import MODES
+from ampnb.panels import PrecisionPanel
+from ampnb.plots import plot_loss_curve
+from ampnb.plots.training import MODE_COLORS
+from ampnb.workbench import Workbench
+
+
+@pytest.fixture
+def shown(monkeypatch):
+    """Every figure the panel displays, as the PNG bytes Jupyter would show."""
+    images: list[bytes] = []
+    monkeypatch.setattr(pp, "display", lambda fig: images.append(fig._repr_png_()))
+    return images
+
+
+@pytest.fixture
+def panel(shown):
+    return PrecisionPanel(Workbench(*make()), run_n=3)
+
+
+def _curve(panel) -> list[tuple[str, list[float]]]:
+    """(legend label, losses) of each coloured segment drawn on the panel's axes."""
+    return [(line.get_label(), list(line.get_ydata())) for line in panel.ax.get_lines()
+            if line.get_marker() == "o"]
+
+
+def test_controls_have_stable_names_and_options(panel):
+    assert [b.description for b in panel.buttons.values()] == ["Step", "Run N", "Reset"]
+    assert list(panel.device.options) == [d.name for d in devices()]
+    labels = dict((value, label) for label, value in panel.mode.options)
+    assert list(labels) == list(MODES)
+    for name, mode in MODES.items():
+        found = mode.availability("cpu")
+        assert (labels[name] == name) == found.ok
+        if not found.ok:
+            assert labels[name] == f"{name} (unavailable: {found.reason})"
+
+
+def test_step_and_run_n_redraw_the_loss_curve(panel, shown):
+    before = len(shown)
+    panel.buttons["Step"].click()
+    assert len(shown) == before + 1 and shown[-1] != shown[-2]
+    panel.n.value = 4
+    panel.buttons["Run N"].click()
+    wb = panel.workbench
+    assert len(wb.history) == 5 and shown[-1] != shown[-2]
+    assert _curve(panel) == [(wb.mode.name, [r.loss for r in wb.history])]
+    assert f"last loss {wb.history[-1].loss:.5g}" in panel.status.value
+
+
+def test_mode_switch_colours_a_new_segment_and_measures_speedup(panel, shown):
+    panel.buttons["Run N"].click()
+    assert "speedup vs 32-true 1.00x" in panel.status.value
+    panel.mode.value = "bf16-mixed"
+    wb = panel.workbench
+    assert wb.mode.name == "bf16-mixed" and "n/a" in panel.status.value
+    panel.buttons["Run N"].click()
+    segments = _curve(panel)
+    assert [label for label, _ in segments] == ["32-true", "bf16-mixed"]
+    assert [line.get_color() for line in panel.ax.get_lines() if line.get_marker() == "o"] == [
+        MODE_COLORS["32-true"], MODE_COLORS["bf16-mixed"]]
+    assert segments[1][1] == [r.loss for r in wb.history[3:]]
+    assert f"speedup vs 32-true {wb.speedup():.2f}x" in panel.status.value
+    assert "parameters float32" in panel.status.value
+    panel.mode.value = "bf16-true"
+    assert "parameters bfloat16" in panel.status.value
+
+
+def test_unavailable_mode_is_refused_with_its_reason(panel):
+    blocked = [n for n, m in MODES.items() if not m.availability("cpu").ok]
+    if not blocked:
+        pytest.skip("every mode runs here")
+    panel.buttons["Step"].click()
+    before = weights(panel.workbench.model)
+    panel.mode.value = blocked[0]
+    reason = MODES[blocked[0]].availability("cpu").reason
+    assert reason in panel.message.value and "ValueError" in panel.message.value
+    assert panel.mode.value == "32-true" and panel.workbench.mode.name == "32-true"
+    assert same(weights(panel.workbench.model), before)
+
+
+def test_tf32_toggle_is_scoped_to_the_step(panel):
+    state = _state.snapshot()
+    panel.tf32.value = True
+    assert panel.workbench.tf32 and "TF32 on" in panel.status.value
+    assert "TF32 has no effect on cpu" in panel.status.value or torch.cuda.is_available()
+    panel.buttons["Step"].click()
+    assert panel.workbench.history[-1].tf32 and _state.snapshot() == state
+
+
+def test_callback_errors_are_shown_and_the_panel_keeps_working(panel):
+    state = _state.snapshot()
+
+    def broken(out, y):
+        raise RuntimeError("loss exploded")
+
+    good, panel.workbench.loss_fn = panel.workbench.loss_fn, broken
+    panel.buttons["Step"].click()
+    assert "RuntimeError: loss exploded" in panel.message.value
+    assert "Traceback" in panel.message.value and _state.snapshot() == state
+    panel.workbench.loss_fn = good
+    panel.buttons["Step"].click()
+    assert panel.message.value == "" and len(panel.workbench.history) == 1
+
+
+def test_carry_forward_is_said_in_the_panel_not_as_a_stray_warning(panel):
+    panel.mode.value = "bf16-true"
+    panel.buttons["Step"].click()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        panel.mode.value = "32-true"
+    assert not caught
+    assert "carried forward" in panel.status.value
+    assert panel.workbench.notes and html.escape(panel.workbench.notes[0]) in panel.status.value
+
+
+def test_reset_restores_the_start_and_the_controls(panel, shown):
+    start = weights(panel.workbench.model)
+    panel.buttons["Step"].click()
+    panel.mode.value = "16-mixed"
+    panel.tf32.value = True
+    panel.buttons["Run N"].click()
+    panel.buttons["Reset"].click()
+    wb = panel.workbench
+    assert wb.history == [] and same(weights(wb.model), start)
+    assert (panel.mode.value, panel.tf32.value, wb.mode.name, wb.tf32) == (
+        "32-true", False, "32-true", False)
+    assert _curve(panel) == [] and "no steps yet" in panel.ax.texts[0].get_text()
+
+
+def test_default_panel_trains_the_demo_mlp(shown):
+    from ampnb.models import MLP
+
+    panel = PrecisionPanel()
+    assert isinstance(panel.workbench.model, MLP)
+    panel.buttons["Step"].click()
+    assert len(panel.workbench.history) == 1 and len(shown) == 2
+    assert "application/vnd.jupyter.widget-view+json" in panel._repr_mimebundle_()
+
+
+def test_plot_loss_curve_from_records_and_empty():
+    wb = Workbench(*make(n_batches=2))
+    ax = plot_loss_curve([])
+    assert "no steps yet" in ax.texts[0].get_text()
+    wb.run(2)
+    wb.set(mode="bf16-mixed", tf32=True)
+    wb.run(2)
+    ax = plot_loss_curve(wb.history)
+    lines = [ln for ln in ax.get_lines() if ln.get_marker() == "o"]
+    assert [ln.get_linestyle() for ln in lines] == ["-", "--"]  # dashed while TF32 was on
+    assert [list(ln.get_xdata()) for ln in lines] == [[0, 1], [2, 3]]
+    assert [ln.get_color() for ln in lines] == [MODE_COLORS["32-true"], MODE_COLORS["bf16-mixed"]]
