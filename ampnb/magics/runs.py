@@ -1,0 +1,207 @@
+"""What `%%amp` does with a cell: resolve its settings, run it once, or compare modes."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from IPython.core.error import UsageError
+from IPython.display import Pretty, display
+
+from ampnb import _state
+from ampnb._tf32 import TF32_SETTINGS, tf32_context
+from ampnb.compare import Work, compare, sync
+from ampnb.device import get_device, support, tf32_effect, tf32_state
+from ampnb.magics import instruments
+from ampnb.magics.cell import NamespaceReset, Watch, compile_cell, run_cell
+from ampnb.magics.report import AmpRun
+from ampnb.magics.show_code import show_code
+from ampnb.modes import MODES, PrecisionMode, get_mode
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A checked mode, a present device and a TF32 setting (None: leave the flags as they are)."""
+
+    mode: PrecisionMode
+    device: str
+    tf32: str | None
+
+
+def mode_name(value: Any) -> str:
+    """The canonical name of a mode (ValueError names the allowed ones)."""
+    return get_mode(value).name
+
+
+def device_name(value: Any) -> str:
+    """The name of a present device; 'auto' is cuda when present, else cpu."""
+    if value == "auto":
+        value = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return get_device(value).name
+    except ValueError as e:
+        raise ValueError(f"{e}; --device cpu runs the cell on the CPU instead") from None
+
+
+def tf32_setting(value: Any) -> str | None:
+    """'on', 'off', 'emulate', or None for '' / None (leave TF32 as it is)."""
+    if value in ("", None):
+        return None
+    if isinstance(value, str) and value in TF32_SETTINGS:
+        return TF32_SETTINGS[value]
+    raise ValueError(f"unknown TF32 setting {value!r}; use 'on', 'off' or 'emulate'")
+
+
+def _available(mode: PrecisionMode, device: str) -> PrecisionMode:
+    found = mode.availability(device)
+    if not found.ok:
+        instead = ""
+        if found.fallback:
+            flag = f"%%amp {found.fallback}" if found.fallback in MODES else f"--device {found.fallback}"
+            instead = f"; `{flag}` would run instead"
+        raise ValueError(f"{mode.name} cannot run on {device}: {found.reason}{instead}")
+    return mode
+
+
+def settings(mode: Any, device: Any, tf32: Any) -> Settings:
+    """Check a mode, device and TF32 setting together (ValueError with the allowed values)."""
+    dev = device_name(device)
+    return Settings(_available(get_mode(mode), dev), dev, tf32_setting(tf32))
+
+
+def _tf32_text(s: Settings) -> str:
+    if s.tf32 is None:
+        return ("on" if tf32_state().matmul else "off") + " (as is)"
+    return {"emulate": "emulated"}.get(s.tf32, s.tf32)
+
+
+def _notes(s: Settings, mode: PrecisionMode, emulation: Any = None) -> list[str]:
+    notes = []
+    found = support(mode, s.device)
+    if found.ok and not found.native:
+        notes.append(f"{mode.name} on {s.device}: {found.reason}")
+    if s.tf32 == "on" and get_device(s.device).type != "cuda":
+        notes.append(tf32_effect(s.device) + "; --tf32 emulate shows its rounding")
+    if emulation is not None:
+        notes.append(f"TF32 emulated: the fp32 inputs of {emulation.rounded_ops} matmul/convolution "
+                     "calls were rounded to TF32's 10-bit mantissa")
+    return notes
+
+
+def _true_mode_note(mode: PrecisionMode, run_made: tuple) -> list[str]:
+    dt = str(mode.param_dtype).removeprefix("torch.")
+    if mode.is_mixed or dt == "float32" or not any(m.dtype == "float32" for m in run_made):
+        return []
+    return [f"{mode.name} sets the default dtype to {dt} while the cell runs: what the cell "
+            f"creates is born {dt}; tensors and modules made before keep their dtype "
+            f"(convert them with .to(torch.{dt}))"]
+
+
+def _state_note(before: _state.TorchState, after: _state.TorchState) -> list[str]:
+    changed = [f.name for f in fields(before) if getattr(before, f.name) != getattr(after, f.name)]
+    if not changed:
+        return []
+    return [f"the cell itself changed global torch state ({', '.join(changed)}); "
+            "%%amp restores only what it set"]
+
+
+def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
+    """Run the cell once under the settings; errors in the cell propagate after restoring state."""
+    __tracebackhide__ = True  # noqa: F841
+    instruments.check(args)
+    compiled = compile_cell(shell, cell)
+    ns = shell.user_ns
+    watch, before = Watch(ns), _state.snapshot()
+    with contextlib.ExitStack() as stack:
+        emulation = stack.enter_context(tf32_context(s.tf32, s.device))
+        stack.enter_context(s.mode.module_init_context())
+        stack.enter_context(s.mode.forward_context(s.device))
+        probes = instruments.enter(stack, args, s)
+        dev = torch.device(s.device)
+        sync(dev)
+        t0 = time.perf_counter()
+        value = run_cell(compiled, ns)
+        sync(dev)
+        seconds = time.perf_counter() - t0
+    made = watch.made(value)
+    notes = (_notes(s, s.mode, emulation) + _true_mode_note(s.mode, made)
+             + _state_note(before, _state.snapshot()))
+    code = show_code(s.mode, s.device, s.tf32, cell) if args.show_code else None
+    return AmpRun(s.mode.name, s.device, _tf32_text(s), seconds, made, tuple(notes), value,
+                  code=code, extras=instruments.reports(probes))
+
+
+class _Progress:
+    """An updating line, shown only once a compare has run for more than a second."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet, self.t0, self.handle, self.total = quiet, time.perf_counter(), None, 0
+
+    def __call__(self, done: int, total: int, mode: str) -> None:
+        self.total = total
+        if self.quiet or (self.handle is None and time.perf_counter() - self.t0 < 1.0):
+            return
+        line = Pretty(f"%%amp --compare: {done}/{total} runs done (last: {mode})")
+        if self.handle is None:
+            self.handle = display(line, display_id=True)
+        else:
+            self.handle.update(line)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.update(Pretty(f"%%amp --compare: all {self.total} runs done"))
+
+
+def _compare_modes(text: str, device: str) -> list[PrecisionMode]:
+    try:
+        modes = [_available(get_mode(m.strip()), device) for m in text.split(",") if m.strip()]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not modes:
+        raise UsageError(f"--compare needs modes, e.g. --compare 32-true,bf16-mixed; "
+                         f"choose from {', '.join(MODES)}")
+    return modes
+
+
+def run_compare(shell: Any, cell: str, s: Settings, modes_text: str, repeat: int,
+                quiet: bool = False) -> AmpRun:
+    """Run the cell under 32-true and each mode from the same start; compare table."""
+    __tracebackhide__ = True  # noqa: F841
+    modes = _compare_modes(modes_text, s.device)
+    compiled = compile_cell(shell, cell)
+    ns = shell.user_ns
+    reset = NamespaceReset(ns, compiled.names)
+    watch: list[Watch] = []
+
+    def start(rebind: Any) -> None:
+        rebind()
+        watch[:] = [Watch(ns, compiled.names)]
+
+    def run() -> Any:
+        value = run_cell(compiled, ns)
+        if value is not None:
+            return value
+        return {k: v for k, v in watch[0].changed().items()
+                if isinstance(v, (torch.Tensor, torch.nn.Module))}
+
+    work = Work(run, reset=lambda: start(reset.fresh), final=lambda: start(reset.originals))
+    progress = _Progress(quiet)
+    try:
+        result = compare(work, [m.name for m in modes], s.device, repeat=repeat, tf32=s.tf32,
+                         progress=progress)
+    except BaseException:
+        reset.originals()  # the user's own objects were not touched: put them back
+        raise
+    finally:
+        progress.close()
+    notes = [n for m in modes for n in _notes(s, m)]
+    if reset.original:
+        notes.append(f"each run started from fresh copies of {', '.join(reset.original)}, seed 0; "
+                     f"they now hold the state after one run under {result.rows[-1].mode}")
+    if reset.shared:
+        notes.append(f"could not copy {', '.join(reset.shared)}: all runs shared them")
+    return AmpRun("compare", s.device, _tf32_text(s), None, (), tuple(dict.fromkeys(notes)),
+                  comparison=result)

@@ -1,0 +1,180 @@
+"""compare(): rows, errors against an independent computation, state and RNG left as found."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ampnb import _state
+from ampnb.compare import Comparison, Work, compare, errors
+from ampnb.formats import quantize
+
+
+def _linear(seed: int = 0) -> tuple[torch.nn.Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 16, generator=g))
+        lin.bias.copy_(torch.randn(8, generator=g))
+    return lin, torch.randn(4, 16, generator=g)
+
+
+def test_rows_reference_first_and_speedup_is_ratio_of_medians():
+    lin, x = _linear()
+    c = compare(lambda: lin(x), ["bf16-mixed"], repeat=3)
+    assert isinstance(c, Comparison)
+    assert c.labels == ("32-true", "bf16-mixed")
+    assert c.reference.speedup == 1.0
+    r = c.row("bf16")
+    assert len(r.times) == 3
+    assert r.seconds == sorted(r.times)[1]
+    assert r.speedup == pytest.approx(c.reference.seconds / r.seconds)
+
+
+def test_errors_match_an_independent_autocast_computation():
+    lin, x = _linear()
+    c = compare(lambda: lin(x), "bf16-mixed,16-mixed", repeat=1)
+    y32 = lin(x).detach().double()
+    for mode, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)):
+        with torch.autocast("cpu", dtype=dtype):
+            y = lin(x).detach()
+        assert y.dtype == dtype
+        d = y.double() - y32
+        row = c.row(mode)
+        assert row.max_abs_error == d.abs().max().item() > 0
+        assert row.rel_error == pytest.approx((d.norm() / y32.norm()).item())
+        assert row.result_dtypes == (str(dtype).removeprefix("torch."),)
+    assert c.reference.max_abs_error == 0 and c.reference.result_dtypes == ("float32",)
+
+
+def test_true_mode_creates_tensors_in_its_dtype():
+    c = compare(lambda: torch.full((3,), 1 / 3), ["16-true", "bf16-true"], repeat=1)
+    third = torch.full((3,), 1 / 3)
+    for mode, fmt in (("16-true", "fp16"), ("bf16-true", "bf16")):
+        assert c.row(mode).result_dtypes == ({"fp16": "float16", "bf16": "bfloat16"}[fmt],)
+        expected = (quantize(third, fmt) - third).abs().max().item()
+        assert c.row(mode).max_abs_error == pytest.approx(expected, rel=1e-6)
+
+
+def test_tf32_emulation_error_matches_quantized_inputs():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(32, 64, generator=g), torch.randn(64, 16, generator=g)
+    c = compare(lambda: a @ b, ["32-true"], tf32="emulate", repeat=1)
+    assert c.labels == ("32-true", "32-true + TF32 emulate")
+    expected = (quantize(a, "tf32") @ quantize(b, "tf32")).double() - (a @ b).double()
+    assert c.row("32-true").max_abs_error == pytest.approx(expected.abs().max().item(), rel=1e-9)
+    assert c.reference.max_abs_error == 0
+
+
+def test_every_run_gets_the_same_seed_and_rng_state_is_restored():
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    c = compare(lambda: torch.randn(5), ["bf16-mixed"], repeat=2)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert c.row("bf16-mixed").max_abs_error == 0  # randn is not lowered by autocast
+
+
+def test_reset_before_every_run_and_final_before_the_last():
+    calls = []
+    work = Work(run=lambda: calls.append("run"), reset=lambda: calls.append("reset"),
+                final=lambda: calls.append("final"))
+    seen = []
+    compare(work, ["bf16-mixed"], repeat=2, warmup=2, progress=lambda *a: seen.append(a))
+    runs = 2 * (2 + 2)
+    assert calls == ["reset", "run"] * (runs - 1) + ["final", "run"]
+    assert [s[:2] for s in seen] == [(i, runs) for i in range(1, runs + 1)]
+
+
+def test_saved_activation_bytes_match_saved_tensors_hooks():
+    lin, x = _linear()
+
+    def saved(dtype):
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            lin(x)
+        return sum(seen.values())
+
+    c = compare(lambda: lin(x), ["bf16-mixed"], repeat=1)
+    assert c.reference.saved_bytes == saved(None) > 0
+    assert c.row("bf16-mixed").saved_bytes == saved(torch.bfloat16)
+    assert c.reference.peak_bytes is None  # CUDA only
+
+
+def test_state_restored_when_work_raises():
+    before = _state.snapshot()
+
+    def boom():
+        if torch.get_default_dtype() == torch.float16:
+            raise RuntimeError("boom in 16-true")
+        return torch.ones(1)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        compare(boom, ["16-true"], tf32="emulate", repeat=1)
+    assert _state.snapshot() == before
+
+
+def test_state_unchanged_after_compare():
+    lin, x = _linear()
+    before = _state.snapshot()
+    compare(lambda: lin(x).sum().backward(), ["bf16-mixed", "64-true"], tf32="on", repeat=1)
+    assert _state.snapshot() == before
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"modes": ["bf17-mixed"]}, "unknown precision mode 'bf17-mixed'"),
+    ({"modes": []}, "at least one mode"),
+    ({"repeat": 0}, "repeat must be an int >= 1"),
+    ({"warmup": 0}, "warmup must be an int >= 1"),
+    ({"tf32": "maybe"}, "tf32 must be one of"),
+    ({"device": "gpu"}, "unknown device 'gpu'"),
+])
+def test_bad_input_is_a_one_line_value_error(kwargs, match):
+    before = _state.snapshot()
+    with pytest.raises(ValueError, match=match) as info:
+        compare(lambda: torch.ones(1), **kwargs)
+    assert "\n" not in str(info.value)
+    assert _state.snapshot() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda_says_what_would_run_instead():
+    with pytest.raises(ValueError, match="needs CUDA.*'cpu' instead"):
+        compare(lambda: torch.ones(1), ["bf16-mixed"], device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compare_measures_peak_memory():
+    lin, x = _linear()
+    lin, x = lin.cuda(), x.cuda()
+    c = compare(lambda: lin(x), ["bf16-mixed"], device="cuda", repeat=2)
+    assert c.reference.peak_bytes is not None and c.reference.peak_bytes >= 0
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = lin(x)
+    assert c.row("bf16-mixed").max_abs_error == (y.double() - lin(x).double()).abs().max().item()
+
+
+def test_errors_of_nested_results_and_nan():
+    ref = {"a": torch.tensor([1.0, 2.0]), "b": [torch.tensor(4.0), 3]}
+    got = {"a": torch.tensor([1.5, 2.0]), "b": [torch.tensor(4.0), 3]}
+    worst, rel = errors(got, ref)
+    assert worst == 0.5
+    assert rel == pytest.approx(0.5 / math.sqrt(1 + 4 + 16 + 9))
+    assert math.isnan(errors({"a": torch.tensor([math.nan, 2.0])}, ref)[0])
+    assert math.isnan(errors("no tensors", ref)[0])
+
+
+def test_table_renders_every_row():
+    lin, x = _linear()
+    c = compare(lambda: lin(x), ["bf16-mixed"], repeat=1)
+    text, html = repr(c), c._repr_html_()
+    for label in c.labels:
+        assert label in text and label in html
+    assert "max abs err" in text and "<table" in html

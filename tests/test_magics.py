@@ -1,0 +1,255 @@
+"""%%amp and %amp in a real IPython InteractiveShell, checked against plain torch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+from ampnb import _state
+from ampnb.device import restore_tf32, tf32_state
+from ampnb.formats import quantize
+from ampnb.magics.amp import AmpMagics
+
+
+@pytest.fixture
+def ip():
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "ampnb")
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 16, generator=g))
+    shell.user_ns.update(torch=torch, lin=lin, x=torch.randn(4, 16, generator=g))
+    before = _state.snapshot()
+    yield shell
+    shell.run_line_magic("unload_ext", "ampnb")
+    for name in ("y", "r", "c", "z", "made", "opt", "model", "loss"):
+        shell.user_ns.pop(name, None)
+    assert _state.snapshot() == before
+
+
+def _amp(ip, line, cell):
+    with capture_output() as out:
+        value = ip.run_cell_magic("amp", line, cell)
+    return value, out
+
+
+def _shown(out) -> str:
+    """Everything a cell printed or displayed, as plain text."""
+    return out.stdout + "".join(o.data.get("text/plain", "") for o in out.outputs)
+
+
+def test_mixed_mode_runs_under_autocast_and_reports_dtypes(ip):
+    value, out = _amp(ip, "bf16-mixed -o r", "y = lin(x)\ny")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ip.user_ns["lin"](ip.user_ns["x"])
+    assert torch.equal(value, expected) and value.dtype == torch.bfloat16
+    assert ip.user_ns["y"].dtype == torch.bfloat16
+    r = ip.user_ns["r"]
+    assert (r.mode, r.device) == ("bf16-mixed", "cpu")
+    assert ("y", "bfloat16") in [(m.name, m.dtype) for m in r.made]
+    assert r.seconds > 0 and r.value is value
+    assert "bf16-mixed on cpu" in _shown(out) and "bfloat16" in _shown(out)
+    assert "<table" in r._repr_html_()
+
+
+def test_true_mode_sets_the_default_dtype_only_inside_the_cell(ip):
+    _amp(ip, "16-true -o r", "z = torch.ones(2) / 3\nmade = torch.nn.Linear(2, 2)\ny = lin(x)")
+    ns = ip.user_ns
+    assert ns["z"].dtype == torch.float16 and torch.equal(ns["z"], (torch.ones(2) / 3).half())
+    assert ns["made"].weight.dtype == torch.float16
+    assert ns["y"].dtype == torch.float32  # made before the cell: keeps its dtype, and says so
+    assert any("keep their dtype" in n for n in ns["r"].notes)
+    assert torch.get_default_dtype() == torch.float32
+    made = {m.name: m.dtype for m in ns["r"].made}
+    assert made["made"] == "params float16" and made["z"] == "float16"
+
+
+def test_tf32_emulate_rounds_matmul_inputs(ip):
+    _amp(ip, "32-true --tf32 emulate -o r", "y = lin(x)")
+    lin, x = ip.user_ns["lin"], ip.user_ns["x"]
+    expected = torch.nn.functional.linear(quantize(x, "tf32"), quantize(lin.weight, "tf32"), lin.bias)
+    assert torch.equal(ip.user_ns["y"], expected)
+    assert not torch.equal(expected, lin(x))
+    assert ip.user_ns["r"].tf32 == "emulated"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU note")
+def test_tf32_on_on_cpu_says_it_changes_nothing(ip):
+    _amp(ip, "32-true --tf32 on -o r", "y = lin(x)")
+    assert torch.equal(ip.user_ns["y"], ip.user_ns["lin"](ip.user_ns["x"]))
+    assert any("no effect on cpu" in n for n in ip.user_ns["r"].notes)
+
+
+def test_compare_errors_match_independent_computation_and_originals_stay(ip):
+    lin = ip.user_ns["lin"]
+    _amp(ip, "--compare bf16-mixed,16-mixed --repeat 2 -o c", "y = lin(x)")
+    c = ip.user_ns["c"].comparison
+    assert c.labels == ("32-true", "bf16-mixed", "16-mixed")
+    y32 = lin(ip.user_ns["x"]).detach()
+    for mode, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)):
+        with torch.autocast("cpu", dtype=dtype):
+            y = lin(ip.user_ns["x"]).detach()
+        assert c.row(mode).max_abs_error == (y.float() - y32).abs().max().item()
+    assert ip.user_ns["lin"] is lin  # the last run used the user's own objects
+    assert ip.user_ns["y"].dtype == torch.float16  # ... under the last mode
+
+
+def test_compare_starts_every_run_from_the_same_state(ip):
+    start = copy.deepcopy(ip.user_ns["lin"])
+    ip.user_ns["model"] = model = copy.deepcopy(start)
+    ip.user_ns["opt"] = torch.optim.SGD(model.parameters(), lr=0.1)
+    cell = "opt.zero_grad()\nloss = model(x).square().mean()\nloss.backward()\nopt.step()"
+    _amp(ip, "--compare bf16-mixed -r 2 -o c", cell)
+    # By hand: one step from the start under bf16 autocast (the last mode).
+    ref = copy.deepcopy(start)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ref(ip.user_ns["x"]).square().mean()
+    loss.backward()
+    ref_opt.step()
+    assert ip.user_ns["model"] is model
+    assert torch.equal(model.weight, ref.weight)  # one step, not one per run
+    # The cell returns nothing, so the result is what it rebound: loss, as by hand.
+    by_hand = str(loss.dtype).removeprefix("torch.")
+    assert ip.user_ns["c"].comparison.row("bf16-mixed").result_dtypes == (by_hand,)
+
+
+def test_compare_restores_the_users_objects_when_the_cell_raises(ip):
+    lin = ip.user_ns["lin"]
+    with pytest.raises(ZeroDivisionError):
+        _amp(ip, "--compare bf16-mixed -r 1", "y = lin(x)\n1 / 0")
+    assert ip.user_ns["lin"] is lin and "y" not in ip.user_ns
+
+
+def test_show_code_runs_and_gives_the_same_result(ip):
+    for line, needles in [
+        ("bf16-mixed", ['torch.autocast(device_type="cpu", dtype=torch.bfloat16)',
+                        'precision="bf16-mixed"', 'mixed_precision="bf16"']),
+        ("16-mixed", ['torch.amp.GradScaler("cpu")', 'mixed_precision="fp16"']),
+        ("bf16-true", ["torch.set_default_dtype(torch.bfloat16)", 'precision="bf16-true"',
+                       'mixed_precision="no"']),
+        ("32-true --tf32 on", ["allow_tf32 = True", 'mixed_precision="no"']),
+    ]:
+        _amp(ip, f"{line} --show-code -o r", "y = lin(x) * 3\nz = torch.ones(3) / 3")
+        code = ip.user_ns["r"].code
+        for needle in needles:
+            assert needle in code, (line, needle)
+        ns = {"lin": ip.user_ns["lin"], "x": ip.user_ns["x"]}
+        flags = tf32_state()
+        try:  # the shown code sets the global TF32 flags itself, as a user's would
+            exec(compile(code, "<show-code>", "exec"), ns)
+        finally:
+            restore_tf32(flags)
+        assert torch.equal(ns["y"], ip.user_ns["y"]) and torch.equal(ns["z"], ip.user_ns["z"])
+
+
+def test_quiet_prints_nothing_and_o_still_stores(ip):
+    value, out = _amp(ip, "bf16-mixed -q -o r", "y = lin(x)\ny")
+    assert value is None and out.stdout == "" and not out.outputs
+    assert ip.user_ns["r"].mode == "bf16-mixed"
+
+
+@pytest.mark.parametrize("line, match", [
+    ("bf17-mixed", "unknown precision mode 'bf17-mixed'; choose one of 32-true"),
+    ("--device gpu", "unknown device 'gpu'; available: cpu"),
+    ("--tf32 maybe", "invalid choice: 'maybe'"),
+    ("bf16-mixed --repeat 3", "--repeat sets the runs of --compare"),
+    ("bf16-mixed --compare 16-mixed", "cannot be combined with --compare"),
+    ("--compare bf16-mixed --trace", "cannot be combined with --compare"),
+    ("--compare bf16-mixed -r 0", "--repeat must be >= 1"),
+    ("--compare ,", "--compare needs modes"),
+    ("--compare bf16-mixed,nope", "unknown precision mode 'nope'"),
+    ("bf16-mixed --measure", "--measure belongs to %amp"),
+    ("bf16-mixed -o 1x", "-o needs a Python name"),
+    ("transformer-engine", "cannot run on cpu: FP8 modes are not implemented yet; `%%amp bf16-mixed`"),
+])
+def test_usage_errors_are_one_line_and_run_nothing(ip, line, match):
+    with pytest.raises(UsageError, match=match.replace("(", r"\(")) as info:
+        ip.run_cell_magic("amp", line, "y = lin(x)")
+    assert "\n" not in str(info.value) and "y" not in ip.user_ns
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message on a machine without CUDA")
+def test_cuda_on_a_cpu_machine_says_what_would_run_instead(ip):
+    with pytest.raises(UsageError, match="not available on this machine.*--device cpu"):
+        ip.run_cell_magic("amp", "bf16-mixed --device cuda", "y = lin(x)")
+
+
+@pytest.mark.parametrize("line", ["16-true", "bf16-mixed --tf32 emulate", "32-true --tf32 on"])
+def test_state_restored_when_the_cell_raises(ip, line):
+    before = _state.snapshot()
+    result = ip.run_cell(f"%%amp {line}\nz = torch.ones(1)\nraise ValueError('boom')")
+    assert isinstance(result.error_in_exec, ValueError)
+    assert _state.snapshot() == before
+
+
+def test_state_restored_on_keyboard_interrupt(ip):
+    before = _state.snapshot()
+    with pytest.raises(KeyboardInterrupt):
+        ip.run_cell_magic("amp", "bf16-true --tf32 emulate", "z = torch.ones(1)\nraise KeyboardInterrupt")
+    assert _state.snapshot() == before
+
+
+def test_cell_that_changes_global_state_is_reported(ip):
+    _amp(ip, "32-true -o r", "torch.set_grad_enabled(False)")
+    torch.set_grad_enabled(True)
+    assert any("grad_enabled" in n for n in ip.user_ns["r"].notes)
+
+
+def test_line_magic_and_config_set_the_defaults(ip):
+    with capture_output():
+        ip.run_line_magic("amp", "bf16 --tf32 emulate")
+    _amp(ip, "-o r", "y = lin(x)")
+    assert ip.user_ns["r"].mode == "bf16-mixed" and ip.user_ns["r"].tf32 == "emulated"
+    ip.run_line_magic("config", "AmpMagics.default_mode = '16-true'")
+    ip.run_line_magic("config", "AmpMagics.default_tf32 = ''")
+    _amp(ip, "-o r", "z = torch.ones(1)")
+    assert ip.user_ns["z"].dtype == torch.float16
+    with pytest.raises(UsageError, match="unknown precision mode"):
+        ip.run_line_magic("amp", "nope")
+    with pytest.raises(UsageError, match="only work in a %%amp cell"):
+        ip.run_line_magic("amp", "--compare bf16-mixed")
+
+
+def test_status_shows_defaults_support_and_measured_throughput(ip, monkeypatch):
+    import ampnb.device as device
+
+    calls = []
+    real = device.throughput_table
+    monkeypatch.setattr(device, "throughput_table",
+                        lambda **kw: calls.append(kw) or real(device="cpu", **kw))
+    with capture_output() as out:
+        ip.run_line_magic("amp", "")
+    assert "%%amp default" in _shown(out) and "Precision support" in _shown(out)
+    assert "TFLOP/s" in _shown(out) and calls == [{"refresh": False}]
+    with capture_output():
+        ip.run_line_magic("amp", "--measure -q")
+    assert calls[-1] == {"refresh": True}
+
+
+def test_unload_removes_everything_and_reload_works(ip):
+    mm = ip.magics_manager
+    assert "amp" in mm.magics["line"] and "amp" in mm.magics["cell"]
+    ip.run_line_magic("unload_ext", "ampnb")
+    assert "amp" not in mm.magics["line"] and "amp" not in mm.magics["cell"]
+    assert "AmpMagics" not in mm.registry
+    assert not any(isinstance(c, AmpMagics) for c in ip.configurables)
+    ip.run_line_magic("load_ext", "ampnb")
+    ip.run_line_magic("reload_ext", "ampnb")
+    assert sum(isinstance(c, AmpMagics) for c in ip.configurables) == 1
+    _amp(ip, "bf16-mixed -o r", "y = lin(x)")
+    assert ip.user_ns["y"].dtype == torch.bfloat16
+
+
+def test_help_lists_every_option():
+    doc = AmpMagics.amp.__doc__
+    for flag in ("--device", "--tf32", "--compare", "--repeat", "--trace", "--hunt", "--memory",
+                 "--show-code", "--measure", "-o NAME", "-q"):
+        assert flag in doc
+    assert "%%amp [--device" in doc
