@@ -1,0 +1,35 @@
+"""Watchers that attach to a model and detach cleanly: coverage, capture, tracer, hunter, memory."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> module; resolved on first use so importing one instrument stays cheap.
+_EXPORTS = {
+    "Coverage": "ampnb.instruments.coverage_stats",
+    "coverage": "ampnb.instruments.coverage_stats",
+    "coverage_many": "ampnb.instruments.coverage_stats",
+    "coverage_table": "ampnb.instruments.coverage_stats",
+    "exponent_histogram": "ampnb.instruments.coverage_stats",
+    "EXP_BINS": "ampnb.instruments.coverage_stats",
+    "capture": "ampnb.instruments.tensor_capture",
+    "Capture": "ampnb.instruments.tensor_capture",
+    "TensorStats": "ampnb.instruments.tensor_capture",
+    "summarize": "ampnb.instruments.tensor_capture",
+    "trace_ops": "ampnb.instruments.trace",
+    "OpTrace": "ampnb.instruments.trace",
+    "OpRow": "ampnb.instruments.trace",
+    "find_nonfinite": "ampnb.instruments.hunt",
+    "NonFinite": "ampnb.instruments.hunt",
+    "memory_report": "ampnb.instruments.memory",
+    "measure_memory": "ampnb.instruments.memory",
+    "MemoryStats": "ampnb.instruments.memory",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ampnb.instruments' has no attribute {name!r}")

@@ -1,0 +1,179 @@
+"""coverage() and exponent_histogram() against element-by-element references (torch casts)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ampnb
+from ampnb.formats import get_format, quantize
+from ampnb.instruments import EXP_BINS, coverage, coverage_many, exponent_histogram
+
+FORMATS = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz", "tf32", "fp32"]
+
+
+def up(v: float, dtype=torch.float32) -> float:
+    return torch.nextafter(torch.tensor(v, dtype=dtype), torch.tensor(math.inf, dtype=dtype)).item()
+
+
+def down(v: float, dtype=torch.float32) -> float:
+    return torch.nextafter(torch.tensor(v, dtype=dtype), torch.tensor(0.0, dtype=dtype)).item()
+
+
+def edge_values(f) -> list[float]:
+    """Named edge cases of a format, with their neighbours in float32, both signs."""
+    points = [f.max, f.overflow_threshold, f.smallest_normal, f.normal_threshold,
+              f.smallest_subnormal, f.underflow_threshold, f.smallest_subnormal / 2,
+              f.smallest_subnormal * 1.5, 1.0, 2 * f.max]
+    vals = []
+    for p in points:
+        p32 = torch.tensor(p, dtype=torch.float32).item()
+        if math.isfinite(p32) and p32 != 0:
+            vals += [p32, up(p32), down(p32)]
+    vals += [0.0, -0.0, math.inf, -math.inf, math.nan]
+    return vals + [-v for v in vals]
+
+
+def reference_category(v: float, f) -> str:
+    """One element's category from a real rounding: torch's cast, or quantize without saturation."""
+    if not math.isfinite(v):
+        return "nonfinite"
+    if v == 0:
+        return "zero"
+    t = torch.tensor([v], dtype=torch.float32)
+    if f.torch_dtype is not None and f.torch_overflow != "saturate":
+        q = t.to(f.torch_dtype).double().item()
+    else:  # e4m3fn saturates in torch's cast and tf32 has no dtype: ask the unsaturated rounding
+        q = quantize(t, f, saturate=False).double().item()
+    if not math.isfinite(q):
+        return "overflow"
+    if q == 0:
+        return "underflow"
+    return "subnormal" if abs(q) < f.smallest_normal else "normal"
+
+
+def reference_counts(values: list[float], f) -> dict[str, int]:
+    out = dict.fromkeys(("overflow", "underflow", "subnormal", "normal", "zero", "nonfinite"), 0)
+    for v in values:
+        out[reference_category(v, f)] += 1
+    return out
+
+
+def counts_of(c) -> dict[str, int]:
+    return {k: getattr(c, f"n_{k}") for k in ("overflow", "underflow", "subnormal", "normal",
+                                               "zero", "nonfinite")}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_edge_cases_match_element_by_element_reference(name):
+    f = get_format(name)
+    values = [v for g in FORMATS for v in edge_values(get_format(g))]
+    x = torch.tensor(values, dtype=torch.float32)
+    x32 = x.tolist()  # the values as float32 holds them
+    c = coverage(x, f)
+    assert counts_of(c) == reference_counts(x32, f)
+    assert sum(c.fractions().values()) == pytest.approx(1.0)
+    assert c.count == len(values)
+
+
+def test_documented_boundaries():
+    """The issue's examples: fp16 overflows from 65520, e4m3fn only above 464."""
+    fp16 = coverage(torch.tensor([65504.0, down(65520.0), 65520.0]), "fp16")
+    assert (fp16.n_normal, fp16.n_overflow) == (2, 1)
+    e4m3 = coverage(torch.tensor([448.0, 464.0, up(464.0)]), "e4m3")
+    assert (e4m3.n_normal, e4m3.n_overflow) == (2, 1)
+    tiny = get_format("fp16").smallest_subnormal
+    half_way = coverage(torch.tensor([tiny / 2, up(tiny / 2), tiny]), "fp16")
+    assert (half_way.n_underflow, half_way.n_subnormal) == (1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"])
+def test_narrow_input_dtypes_compare_exactly(dtype, name):
+    """Thresholds that the input dtype cannot hold must not be rounded the wrong way."""
+    f = get_format(name)
+    values = [v for g in FORMATS for v in edge_values(get_format(g))]
+    x = torch.tensor(values, dtype=torch.float32).to(dtype)
+    assert counts_of(coverage(x, f)) == reference_counts(x.float().tolist(), f)
+
+
+def test_float64_input_against_fp32():
+    f = get_format("fp32")
+    vals = [f.max, 2.0**128, 2.0**-149, 2.0**-150, 2.0**-150 * 1.0001, 2.0**-126, 1e-300, 0.0]
+    x = torch.tensor(vals, dtype=torch.float64)
+    c = coverage(x, "fp32")
+    ref = x.float()
+    assert c.n_overflow == int(torch.isinf(ref).sum())
+    assert c.n_underflow == int(((ref == 0) & (x != 0)).sum())
+    assert c.n_subnormal == int(((ref != 0) & (ref.abs() < f.smallest_normal)).sum())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1,
+                max_size=40),
+       st.sampled_from(["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_e5m2fnuz"]))
+def test_random_values_match_reference(values, name):
+    f = get_format(name)
+    c = coverage(torch.tensor(values, dtype=torch.float32), f)
+    assert counts_of(c) == reference_counts(values, f)
+
+
+def test_amax_and_smallest_nonzero_match_torch():
+    x = torch.randn(1000) * 300
+    x[3], x[7], x[9] = math.inf, math.nan, 0.0
+    c = coverage(x, "fp16")
+    finite = x[torch.isfinite(x)].abs()
+    assert c.amax == finite.max().item()
+    assert c.min_nonzero == finite[finite > 0].min().item()
+    assert math.isnan(coverage(torch.zeros(3), "fp16").min_nonzero)
+
+
+def test_many_equals_one_by_one():
+    x = torch.randn(5000) * 1e3
+    many = coverage_many(x, FORMATS)
+    assert all(many[get_format(n).name] == coverage(x, n) for n in FORMATS)
+
+
+def test_exponent_histogram_against_frexp():
+    x = torch.cat([torch.randn(2000) * 1e4, torch.tensor([0.0, math.inf, math.nan, 2.0**-149])])
+    h = exponent_histogram(x)
+    assert h.shape == (len(EXP_BINS) - 1,)
+    ref = torch.zeros_like(h)
+    for v in x.tolist():
+        if v != 0 and math.isfinite(v):
+            ref[math.frexp(abs(v))[1] - 1 - EXP_BINS[0]] += 1
+    assert torch.equal(h, ref)
+    assert h.sum().item() == int((torch.isfinite(x) & (x != 0)).sum())
+
+
+@pytest.mark.parametrize("bad, message", [
+    (torch.arange(4), "floating-point"),
+    (torch.empty(0), "non-empty"),
+    ([1.0, 2.0], "torch.Tensor"),
+])
+def test_bad_input_one_line_error(bad, message):
+    with pytest.raises(ValueError, match=message) as e:
+        coverage(bad, "fp16")
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_format_names_allowed_ones():
+    with pytest.raises(ValueError, match="fp16"):
+        coverage(torch.ones(3), "fp7")
+
+
+def test_public_name_and_repr():
+    c = ampnb.coverage(torch.tensor([1.0, 1e6]), "fp16")
+    assert c.overflow == 0.5
+    assert "fp16" in repr(c) and "<table" in c._repr_html_()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    x = torch.randn(10_000) * 1e5
+    assert coverage(x.cuda(), "fp16") == coverage(x, "fp16")
+    assert torch.equal(exponent_histogram(x.cuda()), exponent_histogram(x))
