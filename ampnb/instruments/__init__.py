@@ -25,6 +25,9 @@ _EXPORTS = {
     "memory_report": "ampnb.instruments.memory",
     "measure_memory": "ampnb.instruments.memory",
     "MemoryStats": "ampnb.instruments.memory",
+    "MemoryReport": "ampnb.instruments.memory",
+    "memory_meter": "ampnb.instruments.memory",
+    "MemoryMeter": "ampnb.instruments.memory",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,0 +1,253 @@
+"""Capture weights, activations and gradients of any nn.Module as small on-device summaries."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ampnb._html import Table
+from ampnb.formats import get_format
+from ampnb.instruments.coverage_stats import Coverage, segment_stats
+from ampnb.instruments.trace import internal
+
+KINDS = ("weight", "activation", "gradient", "activation_gradient")
+DEFAULT_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True, eq=False)
+class TensorStats:
+    """One captured tensor: where it came from and how its values sit against the formats."""
+
+    name: str   # module path plus parameter name or output index, e.g. "body.0.weight"
+    module: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    count: int
+    amax: float
+    min_nonzero: float
+    histogram: tuple[int, ...]  # counts over EXP_BINS
+    coverages: tuple[Coverage, ...]
+    calls: int = 1  # how many times this tensor was seen; the stats are of the last one
+    tensor: torch.Tensor | None = None  # kept only with capture(..., keep=True)
+
+    def coverage(self, fmt: str) -> Coverage:
+        """This tensor's coverage in one of the captured formats."""
+        name = get_format(fmt).name
+        for c in self.coverages:
+            if c.format == name:
+                return c
+        raise ValueError(f"format {fmt!r} was not captured; captured: "
+                         f"{', '.join(c.format for c in self.coverages)}")
+
+
+@dataclass(frozen=True, eq=False)
+class _Seen:
+    """A captured tensor waiting for its summary: a private copy, so later in-place ops
+    (ReLU(inplace=True), optimizer.zero_grad) cannot change what was seen."""
+
+    tensor: torch.Tensor
+    name: str
+    kind: str
+    module: str
+    calls: int = 1
+
+
+def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMATS,
+                   keep: bool = False) -> list[TensorStats]:
+    """Summaries of many tensors: one segmented pass per (device, dtype) group."""
+    fmts = tuple(get_format(f) for f in formats)
+    seen = list(seen)
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(seen):
+        if s.tensor.numel():  # an empty output is a fact to show, not an error in a hook
+            flat_dtype = torch.float64 if s.tensor.dtype == torch.float64 else torch.float32
+            groups.setdefault((s.tensor.device, flat_dtype), []).append(i)
+    found: dict[int, tuple] = {}
+    with internal(), torch.no_grad():
+        for (_, dt), idx in groups.items():
+            flat = torch.cat([seen[i].tensor.reshape(-1).to(dt) for i in idx])
+            lengths = [seen[i].tensor.numel() for i in idx]
+            for i, (covs, hist) in zip(idx, segment_stats(flat, lengths, fmts or (dt,))):
+                found[i] = (covs, tuple(hist))
+    out = []
+    for i, s in enumerate(seen):
+        t = s.tensor
+        covs, hist = found.get(i, ({}, ()))
+        c0 = next(iter(covs.values()), None)  # amax and min |x| are the same in every format
+        out.append(TensorStats(
+            s.name, s.module, s.kind, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+            t.numel(), c0.amax if c0 else math.nan, c0.min_nonzero if c0 else math.nan, hist,
+            tuple(covs[f.name] for f in fmts) if c0 else (), s.calls,
+            tensor=t if keep else None))
+    return out
+
+
+def summarize(x: torch.Tensor, formats: Iterable[str] = DEFAULT_FORMATS, name: str = "",
+              kind: str = "activation", module: str = "", keep: bool = False) -> TensorStats:
+    """Summaries of one tensor, computed on its own device; only small numbers come back."""
+    _check_float(x)
+    return summarize_many([_Seen(_copy(x), name, kind, module)], formats, keep)[0]
+
+
+def _check_float(x: object) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"summarize needs a floating-point tensor, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+
+
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    with internal(), torch.no_grad():
+        return x.detach().clone()
+
+
+def _float_tensors(out: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Floating-point tensors inside a module output (tensor, tuple, list or dict)."""
+    if isinstance(out, torch.Tensor):
+        if out.is_floating_point():
+            yield prefix, out
+    elif isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            yield from _float_tensors(v, f"{prefix}[{i}]")
+    elif isinstance(out, dict):
+        for k, v in out.items():
+            yield from _float_tensors(v, f"{prefix}[{k!r}]")
+
+
+class Capture:
+    """Context manager: attach hooks on enter, remove every one of them on exit."""
+
+    def __init__(self, model: nn.Module, kinds: Iterable[str] = ("weight", "activation",
+                 "gradient"), modules: str | Iterable[str] = "*",
+                 formats: Iterable[str] = DEFAULT_FORMATS, keep: bool = False) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"capture needs an nn.Module, got {type(model).__name__}")
+        self.kinds = tuple(kinds)
+        bad = [k for k in self.kinds if k not in KINDS]
+        if bad:
+            raise ValueError(f"unknown tensor kind {bad[0]!r}; allowed: {', '.join(KINDS)}")
+        self.formats = tuple(get_format(f).name for f in formats)
+        if not self.formats:
+            raise ValueError("capture needs at least one format, e.g. formats=('fp16', 'bf16')")
+        self.patterns = (modules,) if isinstance(modules, str) else tuple(modules)
+        self.model, self.keep = model, keep
+        self._stats: dict[tuple[str, str], TensorStats | None] = {}  # None: not summarized yet
+        self._pending: dict[tuple[str, str], _Seen] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _wanted(self, path: str) -> bool:
+        return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
+
+    def _record(self, x: torch.Tensor, name: str, kind: str, module: str) -> None:
+        # Only a copy is taken here; summaries wait for exit (or the first look) and are then
+        # computed for all tensors together, which costs far less than one call per tensor.
+        key = (name, kind)
+        old = self._pending.get(key) or self._stats.get(key)
+        self._pending[key] = _Seen(_copy(x), name, kind, module, old.calls + 1 if old else 1)
+        self._stats.setdefault(key, None)
+
+    def _flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            for key, s in zip(pending, summarize_many(pending.values(), self.formats, self.keep)):
+                self._stats[key] = s
+
+    def _forward_hook(self, path: str):
+        def hook(module: nn.Module, args: object, out: object) -> None:
+            for suffix, t in _float_tensors(out):
+                name = (path or "(output)") + suffix
+                if "activation" in self.kinds:
+                    self._record(t, name, "activation", path)
+                if "activation_gradient" in self.kinds and t.requires_grad:
+                    self._handles.append(t.register_hook(
+                        lambda g, name=name: self._record(g, name, "activation_gradient", path)))
+        return hook
+
+    def _grad_hook(self, name: str, path: str):
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                self._record(p.grad, name, "gradient", path)
+        return hook
+
+    def __enter__(self) -> Capture:
+        try:
+            for path, m in self.model.named_modules():
+                if not self._wanted(path):
+                    continue
+                if "activation" in self.kinds or "activation_gradient" in self.kinds:
+                    self._handles.append(m.register_forward_hook(self._forward_hook(path)))
+                for pname, p in m.named_parameters(recurse=False):
+                    full = f"{path}.{pname}" if path else pname
+                    if "weight" in self.kinds and p.is_floating_point() and p.numel():
+                        self._record(p, full, "weight", path)
+                    if "gradient" in self.kinds and p.requires_grad:
+                        self._handles.append(
+                            p.register_post_accumulate_grad_hook(self._grad_hook(full, path)))
+            self._flush()  # weights now: an optimizer step may change them in place later
+        except BaseException:
+            self._detach()
+            raise
+        return self
+
+    def _detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self._detach()
+        self._flush()
+
+    @property
+    def records(self) -> list[TensorStats]:
+        """Every captured tensor, in the order first seen."""
+        self._flush()
+        return [s for s in self._stats.values() if s is not None]
+
+    def select(self, kind: str | None = None, name: str = "*") -> list[TensorStats]:
+        """Records of one kind whose name matches a glob pattern."""
+        return [s for s in self.records
+                if (kind is None or s.kind == kind) and fnmatch.fnmatchcase(s.name, name)]
+
+    def get(self, name: str, kind: str) -> TensorStats:
+        """One record by exact name and kind."""
+        self._flush()
+        try:
+            return self._stats[(name, kind)]  # type: ignore[return-value]
+        except KeyError:
+            names = sorted({n for n, k in self._stats if k == kind})
+            raise ValueError(f"no {kind} named {name!r} was captured; captured: "
+                             f"{', '.join(names) or 'none'}") from None
+
+    def table(self, fmt: str | None = None) -> Table:
+        """One row per captured tensor: shape, range, and coverage in one format (default: first)."""
+        f = get_format(fmt).name if fmt is not None else self.formats[0]
+        rows = []
+        for s in self.records:
+            c = s.coverage(f) if s.coverages else None
+            pct = (lambda v: f"{100 * v:.3g}%") if c else (lambda v: "-")
+            rows.append((s.name, s.kind, "x".join(map(str, s.shape)) or "scalar", s.dtype,
+                         f"{s.amax:.3g}", f"{s.min_nonzero:.3g}",
+                         pct(c.overflow if c else 0), pct(c.underflow if c else 0),
+                         pct(c.subnormal if c else 0)))
+        return Table(("tensor", "kind", "shape", "dtype", "amax", "min |x|>0",
+                      f"{f} overflow", f"{f} underflow", f"{f} subnormal"), rows,
+                     caption=f"captured tensors against {f}")
+
+    def _repr_html_(self) -> str:
+        return self.table()._repr_html_()
+
+    def __repr__(self) -> str:
+        return repr(self.table())
+
+
+def capture(model: nn.Module, kinds: Iterable[str] = ("weight", "activation", "gradient"),
+            modules: str | Iterable[str] = "*", formats: Iterable[str] = DEFAULT_FORMATS,
+            keep: bool = False) -> Capture:
+    """`with capture(model) as cap:` records summaries of the selected tensors."""
+    return Capture(model, kinds, modules, formats, keep)

@@ -1,0 +1,299 @@
+"""Autocast op tracer: which aten op ran in which dtype, from which module, forward or backward.
+
+Stable API (PrecisionPanel and `%%amp --trace` use it):
+
+    with ampnb.trace_ops(limit=100_000) as t:   # any torch code: autocast, true modes, backward
+        loss_fn(model(x), y).backward()
+    t.rows (list[OpRow], first `limit` ops in order); t.counts ({category: n}, all ops);
+    t.select(op="addmm", module="body.*", category=None, phase=None) (globs) -> list[OpRow];
+    t.table(limit=60) (Table, one line per distinct row + count); t.summary() (one line).
+
+OpRow (frozen): op (aten name, "addmm"), module (path from the outermost module that ran, which
+shows as its class name: "MLP", "body.0"; "" outside any), phase ("forward"/"backward"),
+input_dtypes, output_dtype ("" if no tensor out), cast_from (dtypes the inputs had before a
+`_to_copy` inside the trace: autocast's casts; it caches weight casts per autocast region, so
+enter the trace outside it), category, .cast. Categories: lowered (float output < 32 bits),
+kept (fp32/fp64), promoted (wider than a float input), cast (dtype-changing `_to_copy`),
+other (views, non-float outputs). A TorchDispatchMode sees ops after autocast cast them (CPU
+and CUDA alike); backward ops get the module whose forward made their autograd node (a key in
+that node's `metadata`, left there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ampnb._html import Table
+
+CATEGORIES = ("lowered", "kept", "promoted", "cast", "other")
+_NODE_KEY = "ampnb_module"  # key in autograd Node.metadata: the module that made the node
+_TO_COPY = torch.ops.aten._to_copy.default
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def internal() -> Iterator[None]:
+    """ampnb's own measuring ops (e.g. capture's summaries) stay out of traces and hunts."""
+    _local.depth = depth = getattr(_local, "depth", 0)
+    _local.depth += 1
+    try:
+        yield
+    finally:
+        _local.depth = depth
+
+
+def is_internal() -> bool:
+    """True while ampnb's own measuring ops run."""
+    return bool(getattr(_local, "depth", 0))
+
+
+def _dtype(d: torch.dtype | None) -> str:
+    return "" if d is None else str(d).removeprefix("torch.")
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an op's args/outputs (a tensor, or lists/tuples/dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """One op that ran: its name, module, phase, and the dtypes in and out."""
+
+    op: str
+    module: str
+    phase: str
+    input_dtypes: tuple[str, ...]
+    output_dtype: str
+    cast_from: tuple[str, ...] = ()
+    category: str = "other"
+
+    @property
+    def cast(self) -> bool:
+        """True when an input was cast to another dtype inside the trace (autocast does this)."""
+        return bool(self.cast_from)
+
+
+def category(op: str, inputs: tuple[str, ...], output: str, cast_from: tuple[str, ...]) -> str:
+    """lowered / kept / promoted / cast / other, from the dtypes alone."""
+    floats = [d for d in inputs if d.startswith(("float", "bfloat"))]
+    if not output.startswith(("float", "bfloat")):
+        return "other"
+    if op == "_to_copy" and floats and floats[0] != output:
+        return "cast"
+    bits = {d: torch.finfo(getattr(torch, d)).bits for d in (output, *floats, *cast_from)}
+    if bits[output] < 32:
+        return "lowered"
+    if any(bits[d] < bits[output] for d in (*floats, *cast_from)):
+        return "promoted"
+    return "kept"
+
+
+class ModulePaths:
+    """The path of the module running now, from global forward pre/post hooks."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[nn.Module, str]] = []
+        self._names: dict[tuple[int, int], str] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ModulePaths:
+        self._handles = [_module.register_module_forward_pre_hook(self._pre),
+                         _module.register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.stack.clear()
+
+    @property
+    def current(self) -> str:
+        """Dotted path of the innermost running module; the outermost is its class name."""
+        return (self.stack[-1][1] or type(self.stack[0][0]).__name__) if self.stack else ""
+
+    def _child_name(self, parent: nn.Module, child: nn.Module) -> str:
+        key = (id(parent), id(child))
+        if key not in self._names:
+            found = next((n for n, m in parent.named_modules() if m is child and n), None)
+            self._names[key] = found or f"<{type(child).__name__}>"
+        return self._names[key]
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        for t in tensors_in(args):  # stop the node labelling of _post at this module's inputs
+            _label(t.grad_fn, self.current, walk=False)
+        if not self.stack:
+            self.stack.append((module, ""))
+            return
+        parent, ppath = self.stack[-1]
+        name = self._child_name(parent, module)
+        self.stack.append((module, f"{ppath}.{name}" if ppath else name))
+
+    def _post(self, module: nn.Module, args: Any, out: Any) -> None:
+        path = self.current
+        while self.stack:  # pop to this module even if an inner one raised
+            if self.stack.pop()[0] is module:
+                break
+        for t in tensors_in(out):
+            _label(t.grad_fn, path, walk=True)
+
+
+def _label(node: Any, path: str, walk: bool) -> None:
+    """Mark the autograd nodes a module created (those not yet marked) with its path."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n is None or _NODE_KEY in n.metadata:
+            continue
+        n.metadata[_NODE_KEY] = path
+        if walk:
+            todo.extend(f for f, _ in n.next_functions)
+
+
+def current_node_module() -> tuple[str, str]:
+    """(phase, module) of the op running now: backward ops belong to the module of their node."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return "forward", ""
+    return "backward", node.metadata.get(_NODE_KEY, "")
+
+
+class OpWatch(TorchDispatchMode):
+    """A dispatch mode that knows the module and phase of each op; subclasses handle ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths = ModulePaths()
+
+    def __enter__(self) -> OpWatch:
+        self.paths.__enter__()  # pushing the mode cannot fail once the hooks are in
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self.paths.__exit__()
+
+    def where(self) -> tuple[str, str]:
+        """(phase, module) of the op being dispatched."""
+        phase, module = current_node_module()
+        return phase, (self.paths.current if phase == "forward" else module)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not is_internal():
+            self.on_op(func, args, kwargs, out)
+        return out
+
+    def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Called after every op with its inputs and outputs."""
+
+
+class OpTrace(OpWatch):
+    """`with trace_ops() as t:` records every op; t.rows, t.counts, t.table()."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        if not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be an int >= 0, got {limit!r}")
+        super().__init__()
+        self.limit = limit
+        self.rows: list[OpRow] = []
+        self.grouped: Counter[OpRow] = Counter()
+        self._source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast tensor -> dtype before
+
+    def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        ins = list(tensors_in((args, kwargs)))
+        outs = list(tensors_in(out))
+        op = func._schema.name.removeprefix("aten::")
+        in_dt = tuple(_dtype(t.dtype) for t in ins)
+        out_dt = _dtype(outs[0].dtype) if outs else ""
+        cast_from = tuple(dict.fromkeys(self._source[t] for t in ins if t in self._source))
+        if outs and ins:
+            if func is _TO_COPY and ins[0].dtype != outs[0].dtype:
+                self._source[outs[0]] = self._source.get(ins[0], in_dt[0])
+            elif func.is_view and ins[0] in self._source:
+                self._source[outs[0]] = self._source[ins[0]]
+        if func.is_view:  # a view computes nothing: it passes its input's cast mark along
+            cast_from, cat = (), "other"
+        else:
+            cat = category(op, in_dt, out_dt, cast_from)
+        phase, module = self.where()
+        row = OpRow(op, module, phase, in_dt, out_dt, cast_from, cat)
+        self.grouped[row] += 1
+        if len(self.rows) < self.limit:
+            self.rows.append(row)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """How many ops fell in each category (all ops, also past `limit`)."""
+        c = Counter({k: 0 for k in CATEGORIES})
+        for row, n in self.grouped.items():
+            c[row.category] += n
+        return dict(c)
+
+    def select(self, op: str = "*", module: str = "*", category: str | None = None,
+               phase: str | None = None) -> list[OpRow]:
+        """Rows whose op and module match glob patterns, optionally of one category/phase."""
+        if category is not None and category not in CATEGORIES:
+            raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
+        if phase not in (None, "forward", "backward"):
+            raise ValueError(f"unknown phase {phase!r}; allowed: forward, backward")
+        return [r for r in self.rows if fnmatch.fnmatchcase(r.op, op)
+                and fnmatch.fnmatchcase(r.module, module)
+                and category in (None, r.category) and phase in (None, r.phase)]
+
+    def summary(self) -> str:
+        """One line: how many ops ran lowered, kept fp32, promoted, and how many casts."""
+        c = self.counts
+        low = sorted({r.output_dtype for r in self.grouped if r.category == "lowered"})
+        low_txt = f" ({', '.join(low)})" if low else ""
+        return (f"{sum(c.values())} ops: {c['lowered']} ran in lower precision{low_txt}, "
+                f"{c['kept']} kept fp32/fp64, {c['promoted']} promoted to wider floats, "
+                f"{c['cast']} casts, {c['other']} views or non-float ops")
+
+    def table(self, limit: int = 60) -> Table:
+        """One line per distinct (module, op, phase, dtypes) with how often it ran."""
+        items = list(self.grouped.items())
+        rows = [(r.module or "-", r.op, r.phase, ", ".join(r.input_dtypes) or "-",
+                 r.output_dtype or "-", ", ".join(r.cast_from) or "-", r.category, n)
+                for r, n in items[:limit]]
+        notes = [self.summary()]
+        if len(items) > limit:
+            notes.append(f"showing {limit} of {len(items)} distinct rows (table(limit=...))")
+        if sum(self.grouped.values()) > len(self.rows):
+            notes.append(f"t.rows keeps the first {self.limit} ops; counts include all")
+        return Table(("module", "op", "phase", "inputs", "output", "cast from", "category",
+                      "count"), rows, caption="ops traced (dtype after autocast)", notes=notes)
+
+    def _repr_html_(self) -> str:
+        return self.table()._repr_html_()
+
+    def __repr__(self) -> str:
+        return repr(self.table())
+
+
+def trace_ops(limit: int = 100_000) -> OpTrace:
+    """`with trace_ops() as t:` records which op ran in which dtype, from which module."""
+    return OpTrace(limit)

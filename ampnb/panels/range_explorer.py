@@ -1,0 +1,210 @@
+"""RangeExplorer: pick a layer, a tensor kind and formats; see where its values fall."""
+
+from __future__ import annotations
+
+import html
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import ipywidgets as widgets
+import torch
+from IPython.display import clear_output, display
+from torch import nn
+
+from ampnb.formats import get_format
+from ampnb.instruments.coverage_stats import coverage_table
+from ampnb.instruments.tensor_capture import DEFAULT_FORMATS, Capture, capture
+from ampnb.models import Demo
+from ampnb.plots._axes import new_axes
+from ampnb.plots.ranges import RANGE_FORMATS, plot_layer_summary, plot_tensor_histogram
+
+ALL = "(all layers)"
+_SIZES = {"histogram": (8.0, 3.4), "summary_row": 0.28}
+
+
+def _inputs(batch: Any, loss_fn: Any) -> tuple[tuple[Any, ...], Any]:
+    """(positional inputs for the model, targets or None) from the user's batch."""
+    if loss_fn is not None:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError(f"with loss_fn, batch must be (inputs, targets); got "
+                             f"{type(batch).__name__}")
+        return (batch[0],), batch[1]
+    return (tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)), None
+
+
+def _to(x: Any, device: torch.device | None) -> Any:
+    return x.to(device) if isinstance(x, torch.Tensor) and device is not None else x
+
+
+class RangeExplorer:
+    """Layer / kind / formats pickers over one captured step; plot and coverage table follow."""
+
+    def __init__(self, model: nn.Module | Demo, batch: Any = None, loss_fn: Any = None,
+                 formats: Iterable[str] = DEFAULT_FORMATS, shown: Iterable[str] | None = None,
+                 modules: str | Iterable[str] = "*") -> None:
+        if isinstance(model, Demo):
+            batch = model.batches[0] if batch is None else batch
+            loss_fn = model.loss_fn if loss_fn is None else loss_fn
+            model = model.model
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"RangeExplorer needs an nn.Module or an ampnb demo, got "
+                             f"{type(model).__name__}")
+        self.model, self.batch, self.loss_fn, self.modules = model, batch, loss_fn, modules
+        self.formats = tuple(get_format(f).name for f in formats)
+        if shown is None:  # the usual three where captured, else the first three captured
+            shown = [f for f in RANGE_FORMATS if f in self.formats] or self.formats[:3]
+        shown = tuple(get_format(f).name for f in shown)
+        missing = [f for f in shown if f not in self.formats]
+        if missing:
+            raise ValueError(f"shown format {missing[0]!r} is not among formats; allowed: "
+                             f"{', '.join(self.formats)}")
+        self.kinds = ("weight",) + (() if batch is None else ("activation",)) + (
+            ("gradient",) if batch is not None and loss_fn is not None else ())
+        self.capture = self._capture()
+        style = {"description_width": "initial"}
+        self.kind = widgets.Dropdown(options=self.kinds, value=self._first_kind(),
+                                     description="tensor", style=style)
+        self.layer = widgets.Dropdown(description="layer", style=style,
+                                      layout={"width": "340px"})
+        self.format_picker = widgets.SelectMultiple(options=self.formats, value=shown,
+                                                    description="formats", rows=len(self.formats),
+                                                    style=style)
+        self.recapture = widgets.Button(description="Capture again", icon="refresh",
+                                        tooltip="run the batch through the model again")
+        self.message = widgets.HTML()
+        self.table = widgets.HTML()
+        self.out = widgets.Output()
+        self.ax = new_axes(figsize=_SIZES["histogram"])
+        self.figure = self.ax.figure
+        self.draws = 0
+        self._syncing = False  # True while the panel itself rewrites the layer options
+        self._set_layers()
+        self.kind.observe(lambda _c: self._safely(self._on_kind), names="value")
+        self.layer.observe(lambda _c: self._on_pick(), names="value")
+        self.format_picker.observe(lambda _c: self._on_pick(), names="value")
+        self.recapture.on_click(lambda _b: self._safely(self._recapture))
+        self.widget = widgets.VBox([
+            widgets.HBox([widgets.VBox([self.kind, self.layer, self.recapture]),
+                          self.format_picker]),
+            self.message, self.out, self.table])
+        # Stable hooks for the browser tests (tests/browser) and for users' own CSS.
+        for w, css in ((self.widget, "panel"), (self.layer, "layer"), (self.kind, "kind"),
+                       (self.format_picker, "formats"), (self.out, "plot"),
+                       (self.table, "table"), (self.message, "message")):
+            w.add_class(f"ampnb-range-{css}")
+        self._safely(lambda: self._note())
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # ----- capture: one forward (+ backward) that leaves the model as it was ---------------
+
+    def _capture(self) -> Capture:
+        """Run the batch once with hooks attached; the model's .grad and RNG are put back."""
+        params = list(self.model.parameters())
+        saved = [p.grad for p in params]
+        device = params[0].device if params else None
+        cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
+        cap = capture(self.model, self.kinds, self.modules, self.formats)
+        with torch.random.fork_rng(devices=cuda), cap:
+            try:
+                for p in params:
+                    p.grad = None  # so the captured gradients are this batch's alone
+                if self.batch is not None:
+                    args, target = _inputs(self.batch, self.loss_fn)
+                    args = tuple(_to(a, device) for a in args)
+                    with torch.enable_grad():
+                        out = self.model(*args)
+                        if "gradient" in self.kinds:
+                            self.loss_fn(out, _to(target, device)).backward()
+            finally:
+                for p, g in zip(params, saved):
+                    p.grad = g
+        return cap
+
+    def _first_kind(self) -> str:
+        have = {r.kind for r in self.capture.records}
+        return next((k for k in self.kinds if k in have), self.kinds[0])
+
+    def layer_options(self, kind: str | None = None) -> list[str]:
+        """The captured tensors of one kind, after the 'all layers' summary."""
+        names = [r.name for r in self.capture.select(kind or self.kind.value)]
+        return [ALL, *names] if names else []
+
+    def _set_layers(self) -> None:
+        options = self.layer_options()
+        old = self.layer.value
+        self._syncing = True
+        try:
+            self.layer.options = options
+            self.layer.value = old if old in options else (options[0] if options else None)
+        finally:
+            self._syncing = False
+
+    # ----- actions (errors are shown in the panel, never swallowed) ------------------------
+
+    def _safely(self, action: Callable[[], str | None]) -> None:
+        try:
+            note = action()
+            self.message.value = html.escape(note or "")
+            self._draw()
+        except Exception as err:  # noqa: BLE001 - shown to the learner in the panel
+            self.message.value = (
+                f'<div class="ampnb-range-error" style="color:#b00"><b>'
+                f"{html.escape(f'{type(err).__name__}: {err}')}</b>"
+                f"<pre>{html.escape(traceback.format_exc())}</pre></div>")
+
+    def _on_pick(self) -> None:
+        if not self._syncing:
+            self._safely(self._note)
+
+    def _on_kind(self) -> str:
+        self._set_layers()
+        return self._note()
+
+    def _recapture(self) -> str:
+        self.capture = self._capture()
+        self._set_layers()
+        return f"captured again: {len(self.capture.records)} tensors"
+
+    def _note(self) -> str:
+        if "gradient" not in self.kinds:
+            return ("weights only: pass batch= (and loss_fn=) to see activations and gradients"
+                    if self.batch is None else
+                    "no gradients: pass loss_fn= and batch=(inputs, targets) to see them")
+        return ""
+
+    # ----- view ------------------------------------------------------------------------
+
+    def _draw(self) -> None:
+        fmts = tuple(self.format_picker.value)
+        kind, layer = self.kind.value, self.layer.value
+        self.figure.clear()
+        self.ax = self.figure.add_subplot(1, 1, 1)
+        if layer == ALL:
+            rows = self.capture.select(kind)
+            self.figure.set_size_inches(8.0, _SIZES["summary_row"] * max(len(rows), 3) + 1.3)
+            # Narrowest first, so each row is coloured by the smallest format that holds it.
+            narrow = sorted(fmts, key=lambda n: (get_format(n).bits,
+                                                 get_format(n).binades_with_subnormals))
+            plot_layer_summary(rows, narrow, ax=self.ax)
+            covs = [(f"{r.name} · {f}", r.coverage(f)) for r in rows for f in fmts]
+            caption = f"every {kind} tensor against {', '.join(fmts)}"
+        elif layer is None:
+            self.ax.text(0.5, 0.5, f"no {kind} tensors were captured", ha="center",
+                         va="center", transform=self.ax.transAxes)
+            covs, caption = [], ""
+        else:
+            rec = self.capture.get(layer, kind)
+            self.figure.set_size_inches(*_SIZES["histogram"])
+            plot_tensor_histogram(rec, fmts, ax=self.ax)
+            covs = [(None, rec.coverage(f)) for f in fmts] if rec.coverages else []
+            caption = f"{layer} ({kind}, {rec.dtype}, shape {tuple(rec.shape)})"
+        labels = [n for n, _ in covs] if covs and covs[0][0] else None  # None: by format
+        self.table.value = coverage_table([c for _, c in covs], labels,
+                                          caption)._repr_html_() if covs else ""
+        self.draws += 1
+        with self.out:
+            clear_output(wait=True)
+            display(self.figure)

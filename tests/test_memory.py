@@ -1,0 +1,129 @@
+"""Memory meter: saved-for-backward bytes against autograd's own saved tensors, state bytes
+against a plain torch step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ampnb
+from ampnb import _state
+from ampnb.instruments.memory import format_bytes, memory_meter
+from ampnb.models.mlp import MLP
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return MLP(width=32, depth=2), torch.randn(16, 2), torch.randint(0, 3, (16,))
+
+
+def _saved_by_autograd(loss: torch.Tensor) -> int:
+    """Bytes of distinct non-parameter storages autograd's nodes hold (their `_saved_*`)."""
+    seen, total, todo, nodes = set(), 0, [loss.grad_fn], set()
+    while todo:
+        n = todo.pop()
+        if n is None or n in nodes:
+            continue
+        nodes.add(n)
+        todo.extend(f for f, _ in n.next_functions)
+        for name in dir(n):
+            try:
+                t = getattr(n, name) if name.startswith("_saved_") else None
+            except RuntimeError:  # not saved in this graph
+                continue
+            if not isinstance(t, torch.Tensor):
+                continue
+            base = t._base if t._is_view() else t
+            if base.is_leaf and base.requires_grad:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_saved_bytes_match_autograd_saved_tensors(dtype):
+    model, x, y = _mlp()
+    ctx = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype else torch.enable_grad
+    with ctx():
+        expected = _saved_by_autograd(nn.functional.cross_entropy(model(x), y))
+    with memory_meter() as m, ctx():
+        loss = nn.functional.cross_entropy(model(x), y)
+    assert m.peak_bytes == expected > 0
+    loss.backward()
+    assert m.live == 0  # backward freed every saved tensor
+
+
+def test_bf16_halves_saved_activations_and_true_halves_state():
+    model, x, y = _mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    snap = _state.snapshot()
+    report = ampnb.memory_report(model, x, y, nn.functional.cross_entropy)
+    assert _state.snapshot() == snap and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # untouched
+    fp32, mixed, true16 = report.stats
+    assert [s.mode for s in report.stats] == ["32-true", "bf16-mixed", "bf16-true"]
+    # references: the same step in plain torch
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters())
+    nn.functional.cross_entropy(ref(x), y).backward()
+    opt.step()
+    params = sum(p.numel() * p.element_size() for p in ref.parameters())
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert (fp32.param_bytes, fp32.grad_bytes, fp32.optimizer_bytes) == (params, params, state)
+    assert true16.param_bytes * 2 == params == true16.grad_bytes * 2
+    assert mixed.param_bytes == params  # mixed keeps fp32 weights
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed_ref = _saved_by_autograd(nn.functional.cross_entropy(
+            model(x.bfloat16()), y))
+    assert mixed.saved_bytes == mixed_ref < fp32.saved_bytes
+    assert true16.saved_bytes < fp32.saved_bytes
+    assert fp32.total == fp32.saved_bytes + 2 * params + state
+    text = repr(report)
+    assert format_bytes(fp32.saved_bytes) in text and "vs 32-true" in text
+
+
+def test_demo_gives_model_batch_loss_and_optimizer():
+    demo = ampnb.models.demo("mlp")
+    (s,) = ampnb.memory_report(demo, modes=["bf16-true"]).stats
+    params = sum(p.numel() for p in demo.model.parameters())
+    assert s.param_bytes == params * torch.finfo(torch.bfloat16).bits // 8
+    assert s.saved_tensors > 0 and s.cuda_peak_bytes is None
+
+
+def test_hooks_gone_after_an_exception():
+    model, x, _ = _mlp()
+    before = _state.snapshot()
+    with pytest.raises(RuntimeError):
+        with memory_meter():
+            model(torch.randn(3, 7))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert _state.snapshot() == before
+
+
+def test_bad_input_is_one_line_value_error():
+    model, x, y = _mlp()
+    with pytest.raises(ValueError, match="ReLU has no trainable parameters"):
+        ampnb.memory_report(nn.ReLU(), x)
+    with pytest.raises(ValueError, match="needs an nn.Module or a Demo, got str"):
+        ampnb.instruments.measure_memory("model", x)
+    with pytest.raises(ValueError, match="needs inputs"):
+        ampnb.memory_report(model)
+    with pytest.raises(ValueError, match="'17-true'"):
+        ampnb.memory_report(model, x, modes=["17-true"])
+    with pytest.raises(ValueError, match="at least one mode"):
+        ampnb.memory_report(model, x, modes=[])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_is_measured():
+    model, x, y = _mlp()
+    (s,) = ampnb.memory_report(model, x, y, nn.functional.cross_entropy, modes=["bf16-mixed"],
+                               device="cuda").stats
+    assert s.cuda_peak_bytes is not None and s.cuda_peak_bytes >= s.saved_bytes

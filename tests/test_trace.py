@@ -1,0 +1,135 @@
+"""trace_ops: op names, dtypes and module paths checked against what torch itself produces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampnb
+from ampnb import _state
+from ampnb.instruments.trace import category
+from ampnb.models.mlp import MLP
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    return MLP(width=8, depth=2), torch.randn(4, 2, generator=g)
+
+
+def test_linear_under_bf16_autocast_is_a_bf16_addmm_in_its_module():
+    lin, x = nn.Linear(4, 3), torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = lin(x).dtype  # torch's own answer
+    with ampnb.trace_ops() as t, torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(x)
+    (row,) = t.select(op="addmm")
+    assert row.output_dtype == str(expected).removeprefix("torch.") == "bfloat16"
+    assert row.input_dtypes == ("bfloat16",) * 3
+    assert row.module == "Linear" and row.phase == "forward"
+    assert row.cast and row.cast_from == ("float32",) and row.category == "lowered"
+    casts = t.select(op="_to_copy")
+    assert len(casts) == 3 and all(r.category == "cast" for r in casts)
+
+
+def test_module_paths_match_named_modules_forward_and_backward():
+    model, x = _mlp()
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    with ampnb.trace_ops() as t, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    fwd = [r.module for r in t.select(op="addmm", phase="forward")]
+    assert fwd == linears
+    bwd = {r.module for r in t.select(op="mm", phase="backward")}
+    assert bwd == set(linears)
+    gelus = {r.module for r in t.select(op="gelu")}
+    assert gelus == {n for n, m in model.named_modules() if isinstance(m, nn.GELU)}
+    assert all(r.module == "" for r in t.select(op="sum", phase="forward"))  # outside the model
+
+
+def test_fp32_run_keeps_everything_fp32_without_casts():
+    model, x = _mlp()
+    with ampnb.trace_ops() as t:
+        model(x)
+    c = t.counts
+    assert c["lowered"] == c["cast"] == c["promoted"] == 0 and c["kept"] > 0
+    assert all(not r.cast for r in t.rows)
+    assert {r.output_dtype for r in t.select(op="addmm")} == {str(model(x).dtype)[6:]}
+
+
+def test_mixed_dtypes_are_promoted_as_torch_promotes_them():
+    a, b = torch.ones(3, dtype=torch.bfloat16), torch.ones(3)
+    with ampnb.trace_ops() as t:
+        a + b
+    (row,) = t.select(op="add")
+    assert row.output_dtype == str(torch.promote_types(a.dtype, b.dtype))[6:]
+    assert row.category == "promoted"
+
+
+@pytest.mark.parametrize("op, ins, out, cast_from, expected", [
+    ("_to_copy", ("float32",), "bfloat16", (), "cast"),
+    ("addmm", ("float16", "float16"), "float16", ("float32",), "lowered"),
+    ("mm", ("float32", "float32"), "float32", (), "kept"),
+    ("layer_norm", ("float32",), "float32", ("bfloat16",), "promoted"),
+    ("add", ("float64", "float32"), "float64", (), "promoted"),
+    ("argmax", ("float32",), "int64", (), "other"),
+    ("_to_copy", ("int64",), "float32", (), "kept"),
+])
+def test_category_named_cases(op, ins, out, cast_from, expected):
+    assert category(op, ins, out, cast_from) == expected
+
+
+def test_counts_sum_to_all_ops_and_limit_caps_rows_only():
+    model, x = _mlp()
+    with ampnb.trace_ops(limit=3) as t:
+        model(x)
+    with ampnb.trace_ops() as full:
+        model(x)
+    assert len(t.rows) == 3 and t.rows == full.rows[:3]
+    assert t.counts == full.counts and sum(t.counts.values()) == len(full.rows)
+    assert "first 3 ops" in repr(t)
+
+
+def test_state_and_hooks_restored_also_when_user_code_raises():
+    model, x = _mlp()
+    before = _state.snapshot()
+    with pytest.raises(RuntimeError, match="boom"):
+        with ampnb.trace_ops() as t, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+            raise RuntimeError("boom")
+    assert _state.snapshot() == before
+    assert t.select(op="addmm")  # what ran before the error is kept
+    with pytest.raises(RuntimeError):
+        with ampnb.trace_ops():
+            model(torch.randn(4, 5))  # shape error inside a module forward
+    assert _state.snapshot() == before
+
+
+def test_table_and_html_show_summary():
+    lin, x = nn.Linear(4, 3), torch.randn(2, 4)
+    with ampnb.trace_ops() as t, torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(x)
+    html = t._repr_html_()
+    assert "<table" in html and "addmm" in html and "bfloat16" in html
+    assert t.summary().startswith(f"{len(t.rows)} ops: {t.counts['lowered']} ran in lower")
+
+
+def test_bad_input_is_one_line_value_error():
+    with pytest.raises(ValueError, match="limit must be an int >= 0, got -1"):
+        ampnb.trace_ops(limit=-1)
+    with ampnb.trace_ops() as t:
+        pass
+    with pytest.raises(ValueError, match="unknown category 'fast'; allowed: lowered"):
+        t.select(category="fast")
+    with pytest.raises(ValueError, match="unknown phase"):
+        t.select(phase="sideways")
+    assert t.rows == [] and sum(t.counts.values()) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp16_autocast_addmm():
+    lin, x = nn.Linear(8, 4).cuda(), torch.randn(2, 8, device="cuda")
+    with ampnb.trace_ops() as t, torch.autocast("cuda", dtype=torch.float16):
+        y = lin(x)
+    (row,) = t.select(op="addmm")
+    assert row.output_dtype == str(y.dtype)[6:] == "float16" and row.cast
