@@ -167,7 +167,6 @@ def test_quiet_prints_nothing_and_o_still_stores(ip):
     ("--compare bf16-mixed,nope", "unknown precision mode 'nope'"),
     ("bf16-mixed --measure", "--measure belongs to %amp"),
     ("bf16-mixed -o 1x", "-o needs a Python name"),
-    ("transformer-engine", "cannot run on cpu: FP8 modes are not implemented yet; `%%amp bf16-mixed`"),
 ])
 def test_usage_errors_are_one_line_and_run_nothing(ip, line, match):
     with pytest.raises(UsageError, match=match.replace("(", r"\(")) as info:
@@ -253,3 +252,72 @@ def test_help_lists_every_option():
                  "--show-code", "--measure", "-o NAME", "-q"):
         assert flag in doc
     assert "%%amp [--device" in doc
+    # help strings go through argparse's %-formatting: a bare "%amp" would print a dict
+    assert "%%amp: run the cell under it; %amp: make it the default" in " ".join(doc.split())
+
+
+# --trace / --hunt / --memory (issue 3): the instruments around one %%amp cell.
+
+def _extra(run, name):
+    (found,) = [e for e in run.extras if type(e).__name__ == name]
+    return found
+
+
+def test_trace_shows_the_linear_as_a_bf16_addmm(ip):
+    _, out = _amp(ip, "bf16-mixed --trace -o r", "y = lin(x)")
+    t = _extra(ip.user_ns["r"], "OpTrace")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = str(ip.user_ns["lin"](ip.user_ns["x"]).dtype)[6:]
+    (row,) = t.select(op="addmm")
+    assert (row.module, row.output_dtype, row.cast) == ("Linear", expected, True)
+    assert "addmm" in _shown(out) and "ran in lower precision (bfloat16)" in _shown(out)
+    assert "addmm" in ip.user_ns["r"]._repr_html_()
+
+
+def test_hunt_blames_the_overflowing_fp16_layer_and_is_quiet_when_finite(ip):
+    big = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        big.weight.fill_(1e4)
+    ip.user_ns.update(big=big, xx=ip.user_ns["x"].abs() + 1)
+    _amp(ip, "16-mixed --hunt -o r", "y = big(xx)")
+    h = _extra(ip.user_ns["r"], "NonFinite")
+    exact = big(ip.user_ns["xx"]).abs().max().item()  # fp32 reference
+    assert exact > torch.finfo(torch.float16).max
+    assert h and (h.op, h.module, h.phase, h.format) == ("addmm", "Linear", "forward", "fp16")
+    assert abs(h.exact_amax - exact) <= 1e-3 * exact
+    _amp(ip, "bf16-mixed --hunt -o r", "y = big(xx)")
+    assert not _extra(ip.user_ns["r"], "NonFinite")
+    ip.user_ns.pop("big"), ip.user_ns.pop("xx")
+
+
+def test_hunt_notes_the_finding_on_an_error_and_restores_state(ip):
+    big = torch.nn.Linear(16, 8)
+    with torch.no_grad():
+        big.weight.fill_(1e4)
+    ip.user_ns.update(big=big)
+    before = _state.snapshot()
+    with pytest.raises(FloatingPointError) as info:
+        _amp(ip, "16-mixed --hunt --trace", "y = big(x.abs() + 1)\nraise FloatingPointError('inf')")
+    assert "addmm in Linear (forward)" in "".join(info.value.__notes__)
+    assert _state.snapshot() == before
+    ip.user_ns.pop("big")
+
+
+def test_memory_measures_what_autograd_saved(ip):
+    _amp(ip, "bf16-mixed --memory -o r", "y = lin(x)\nloss = y.float().sum()")
+    m = _extra(ip.user_ns["r"], "MemoryMeter")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ip.user_ns["lin"](ip.user_ns["x"])
+    fn = y.grad_fn  # autograd's own record of what addmm saved (the weight is a parameter)
+    saved = [getattr(fn, a) for a in ("_saved_mat1", "_saved_self")
+             if isinstance(getattr(fn, a, None), torch.Tensor)]
+    assert m.peak_bytes == sum(t.untyped_storage().nbytes() for t in saved) > 0
+    assert "saved for backward" in repr(ip.user_ns["r"])
+
+
+def test_all_three_flags_together_keep_the_instruments_out_of_the_trace(ip):
+    _amp(ip, "bf16-mixed --trace --hunt --memory -o r", "y = lin(x)\ny.float().sum().backward()")
+    r = ip.user_ns["r"]
+    t = _extra(r, "OpTrace")
+    assert not t.select(op="isfinite") and not _extra(r, "NonFinite")
+    assert _extra(r, "MemoryMeter").live == 0

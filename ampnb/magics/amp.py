@@ -55,8 +55,8 @@ class AmpMagics(Magics):
 
     @magic_arguments("%amp")
     @argument("mode", nargs="?", help="precision mode: 32-true, 16-mixed, bf16-mixed, 16-true, "
-              "bf16-true, 64-true (or 16, bf16, 32, 64). %%amp: run the cell under it; "
-              "%amp: make it the default.")
+              "bf16-true, 64-true (or 16, bf16, 32, 64). %%%%amp: run the cell under it; "
+              "%%amp: make it the default.")
     @argument("--device", "-d", help="cpu, cuda, cuda:N or mps (default: cuda when present)")
     @argument("--tf32", choices=("on", "off", "emulate"),
               help="TF32 for fp32 matmuls/convs; 'emulate' rounds their inputs to TF32 on any device")
@@ -68,7 +68,7 @@ class AmpMagics(Magics):
     @argument("--memory", action="store_true", help="activation memory saved for backward")
     @argument("--show-code", action="store_true",
               help="the plain torch.amp code, and Lightning / Accelerate settings, for this run")
-    @argument("--measure", action="store_true", help="%amp only: re-measure matmul throughput")
+    @argument("--measure", action="store_true", help="%%amp only: re-measure matmul throughput")
     @argument("-o", dest="output", metavar="NAME", help="store the result object in NAME")
     @argument("-q", "--quiet", action="store_true", help="print nothing")
     @line_cell_magic
