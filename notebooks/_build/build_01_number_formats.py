@@ -178,8 +178,10 @@ so it needs no scaler at all (last line above)."""),
 ## 5. Which ops does autocast lower?
 
 `torch.autocast` does not run everything in the low-precision dtype. Matmuls and convolutions
-are lowered; numerically sensitive ops (softmax, log, losses, norms) are kept in fp32.
-`ampnb.trace_ops()` records every op that ran, in which dtype, and in which module:"""),
+are lowered; ops that need range or accuracy (losses such as cross-entropy, with the `log_softmax`
+inside it) are kept in or
+promoted to fp32 — which ones differs by device: on CUDA softmax and layer norm run in fp32, on
+a CPU they follow their input's dtype. `ampnb.trace_ops()` records every op that ran, in which dtype, and in which module:"""),
     code("""
 d = demo("mlp")
 x, y = d.batches[0]
