@@ -224,19 +224,60 @@ class Fp64True(TrueMode):
 
 
 class TransformerEngine(PrecisionMode):
-    """FP8 via NVIDIA Transformer Engine with bf16 weights (Lightning's 'transformer-engine')."""
+    """FP8 with bf16 weights (Lightning's 'transformer-engine'): real with TE, emulated elsewhere."""
 
     name = "transformer-engine"
     param_dtype = torch.bfloat16
-    description = "FP8 matmuls (e4m3 forward, e5m2 backward) with per-tensor delayed scaling"
-    requirements = "NVIDIA Transformer Engine on a GPU with compute capability >= 8.9"
+    description = ("FP8 matmuls (e4m3 forward, e5m2 backward) with per-tensor delayed scaling; "
+                   "other ops under autocast in the weight dtype")
+    requirements = ("any device (emulated FP8); real FP8: NVIDIA Transformer Engine on a GPU "
+                    "with compute capability >= 8.9")
+
+    def _real(self, device: str | torch.device) -> bool:
+        from ampnb.fp8.te import te_status
+
+        return te_status(device).ok
+
+    def forward_context(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        if self._real(device):
+            from ampnb.fp8.te import te_forward_context
+
+            return te_forward_context(None, self.param_dtype)
+        from ampnb.fp8.autocast import emulated_fp8_context
+
+        return emulated_fp8_context(_device_type(device), self.param_dtype)
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return default_dtype(self.param_dtype)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Swap Linear layers for FP8 ones (TE's where it runs, else emulated), then cast weights."""
+        param = next(module.parameters(), None)
+        if param is not None and self._real(param.device):
+            from ampnb.fp8.te import convert_to_te
+
+            return convert_to_te(module).to(dtype=self.param_dtype)
+        from ampnb.fp8.convert import swap_for_mode
+
+        return swap_for_mode(module).to(dtype=self.param_dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        return cast_floats(data, self.param_dtype)
 
     def availability(self, device: str | torch.device = "cpu") -> Availability:
-        return Availability(False, "FP8 modes are not implemented yet", "bf16-mixed")
+        found = _cuda_present(device)
+        if not found.ok:
+            return found
+        from ampnb.fp8.te import te_status
+
+        status = te_status(device)
+        if status.ok:
+            return Availability(True, f"real ({status.reason})")
+        return Availability(True, f"emulated: {status.reason}")
 
 
 class TransformerEngineFloat16(TransformerEngine):
-    """FP8 via Transformer Engine with fp16 weights (Lightning's 'transformer-engine-float16')."""
+    """FP8 with fp16 weights (Lightning's 'transformer-engine-float16')."""
 
     name = "transformer-engine-float16"
     param_dtype = torch.float16

@@ -13,7 +13,11 @@ _EXPORTS = {
     "plot_loss_scale_effect": "ampnb.plots.ranges",
     "plot_scale_history": "ampnb.plots.scale",
     "plot_grad_scaling": "ampnb.plots.scale",
+    "plot_step_gradients": "ampnb.plots.scale",
     "plot_loss_curve": "ampnb.plots.training",
+    "plot_fp8_scaling": "ampnb.plots.fp8",
+    "plot_lowbit_grid": "ampnb.plots.fp8",
+    "plot_side_by_side": "ampnb.plots.fp8",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,0 +1,50 @@
+"""FP8 training and low-bit weights: emulated in torch everywhere, Transformer Engine on Hopper."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> module, imported on first use (the Transformer Engine path only when asked).
+_EXPORTS: dict[str, str] = {
+    "Fp8Recipe": "ampnb.fp8.recipe",
+    "Fp8Format": "ampnb.fp8.recipe",
+    "Scaling": "ampnb.fp8.recipe",
+    "AmaxAlgo": "ampnb.fp8.recipe",
+    "DelayedScaling": "ampnb.fp8.recipe",
+    "RECIPES": "ampnb.fp8.recipe",
+    "from_recipe_name": "ampnb.fp8.recipe",
+    "tensor_to_amax": "ampnb.fp8.scaling",
+    "amax_to_scale": "ampnb.fp8.scaling",
+    "scaled_quantize": "ampnb.fp8.scaling",
+    "sqnr": "ampnb.fp8.scaling",
+    "Fp8Linear": "ampnb.fp8.linear",
+    "Role": "ampnb.fp8.linear",
+    "convert_to_fp8": "ampnb.fp8.convert",
+    "revert_fp8": "ampnb.fp8.convert",
+    "fp8_report": "ampnb.fp8.convert",
+    "plan": "ampnb.fp8.convert",
+    "Fp8Stats": "ampnb.fp8.stats",
+    "fp8_autocast": "ampnb.fp8.autocast",
+    "fp8_active": "ampnb.fp8.autocast",
+    "te_status": "ampnb.fp8.te",
+    "LOWBIT_FORMATS": "ampnb.fp8.lowbit",
+    "get_lowbit": "ampnb.fp8.lowbit",
+    "nf4_codebook": "ampnb.fp8.lowbit",
+    "quantize_weight": "ampnb.fp8.lowbit",
+    "roundtrip": "ampnb.fp8.lowbit",
+    "block_normalized": "ampnb.fp8.lowbit",
+    "quantize_model": "ampnb.fp8.lowbit_model",
+    "side_by_side": "ampnb.fp8.accuracy",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'ampnb.fp8' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,199 @@
+"""An emulated FP8 Linear: e4m3 inputs and weights, e5m2 (HYBRID) output gradients, per-tensor scales."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ampnb.formats import FloatFormat
+from ampnb.fp8.autocast import fp8_active
+from ampnb.fp8.recipe import Fp8Recipe, Scaling, from_recipe_name
+from ampnb.fp8.scaling import (
+    amax_to_scale,
+    history_to_amax,
+    push_amax,
+    scaled_quantize,
+    tensor_to_amax,
+)
+
+
+class Role(IntEnum):
+    """The three tensors an FP8 linear layer casts, as Transformer Engine names them."""
+
+    INPUT = 0
+    WEIGHT = 1
+    GRAD_OUTPUT = 2
+
+
+def _mm_dequantize(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor,
+                   sb: torch.Tensor) -> torch.Tensor:
+    """a @ b from FP8 values: dequantize each to fp32 (q / scale), then an fp32 matmul."""
+    return (qa / sa) @ (qb / sb)
+
+
+def _mm_scaled(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+               fa: FloatFormat, fb: FloatFormat) -> torch.Tensor:
+    """a @ b with torch._scaled_mm on real FP8 tensors (b column-major, inverse scales)."""
+    a8 = qa.to(fa.torch_dtype).contiguous()
+    b8 = qb.t().contiguous().to(fb.torch_dtype).t()
+    one = torch.ones((), device=qa.device)
+    return torch._scaled_mm(a8, b8, scale_a=one / sa, scale_b=one / sb, out_dtype=torch.float32)
+
+
+def _scaled_mm_fits(device: torch.device) -> bool:
+    # FP8 tensor cores: CUDA compute capability >= 8.9 (Ada, Hopper and newer).
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# How the FP8 matmul runs: "auto" takes torch._scaled_mm on FP8 tensor cores when shapes fit.
+MATMULS = ("auto", "dequantize", "scaled_mm")
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """y = x W^T + b with x, W cast to the forward format and dy to the backward format."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                layer: Fp8Linear, out_dtype: torch.dtype) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, sx = layer.cast(Role.INPUT, x2)
+        qw, sw = layer.cast(Role.WEIGHT, weight)
+        out = layer.matmul(qx, sx, qw.t(), sw, Role.INPUT, Role.WEIGHT)
+        if bias is not None:
+            out = out + bias.float()
+        ctx.save_for_backward(qx, sx, qw, sw)
+        ctx.layer, ctx.shapes = layer, (x.shape, x.dtype, weight.dtype,
+                                        None if bias is None else bias.dtype)
+        layer.observe_output(x2, weight, bias, out)
+        return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        qx, sx, qw, sw = ctx.saved_tensors
+        layer, (x_shape, x_dtype, w_dtype, b_dtype) = ctx.layer, ctx.shapes
+        g2 = grad.reshape(-1, grad.shape[-1])
+        qg, sg = layer.cast(Role.GRAD_OUTPUT, g2)
+        grad_x = layer.matmul(qg, sg, qw, sw, Role.GRAD_OUTPUT, Role.WEIGHT)
+        grad_w = layer.matmul(qg.t(), sg, qx, sx, Role.GRAD_OUTPUT, Role.INPUT)
+        # The bias gradient is a sum, not a matmul: it uses the unquantized gradient (as TE).
+        grad_b = None if b_dtype is None else g2.float().sum(0).to(b_dtype)
+        return grad_x.reshape(x_shape).to(x_dtype), grad_w.to(w_dtype), grad_b, None, None
+
+
+class Fp8Linear(nn.Module):
+    """nn.Linear whose matmuls see FP8 values scaled per tensor by an `Fp8Recipe`.
+
+    `enabled`: True always FP8, False never, None only inside `ampnb.fp8.fp8_autocast()`
+    (how Transformer Engine's layers behave, and what the transformer-engine modes use).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 recipe: Fp8Recipe | str | None = None, matmul: str = "auto",
+                 device: Any = None, dtype: torch.dtype | None = None,
+                 enabled: bool | None = True) -> None:
+        super().__init__()
+        if matmul not in MATMULS:
+            raise ValueError(f"matmul={matmul!r} is not allowed; allowed: {', '.join(MATMULS)}")
+        if not (enabled is None or isinstance(enabled, bool)):
+            raise ValueError(f"enabled={enabled!r} is not allowed; allowed: True, False or None")
+        self.in_features, self.out_features = in_features, out_features
+        self.recipe = from_recipe_name(recipe)
+        self.matmul_choice = matmul
+        self.enabled = enabled
+        self.observer: Callable[..., None] | None = None
+        proto = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.weight, self.bias = proto.weight, proto.bias
+        n = self.recipe.history_len
+        dev = self.weight.device
+        # Not in state_dict: a converted model loads and saves the same keys as the original.
+        self.register_buffer("amax_history", torch.zeros(len(Role), n, device=dev),
+                             persistent=False)
+        # Transformer Engine starts every scale at 1 and learns it from the amax history.
+        self.register_buffer("scale", torch.ones(len(Role), device=dev), persistent=False)
+        self.filled = [0] * len(Role)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str | None = None,
+                    matmul: str = "auto", enabled: bool | None = True) -> Fp8Linear:
+        """An Fp8Linear that shares `linear`'s Parameter objects (ties and optimizers survive)."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe,
+                  matmul, device="meta", enabled=enabled)
+        new.weight, new.bias = linear.weight, linear.bias
+        dev = linear.weight.device
+        new.amax_history = torch.zeros_like(new.amax_history, device=dev)
+        new.scale = torch.ones_like(new.scale, device=dev)
+        return new
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Fp8Linear:
+        # .to(dtype) must not round the scales: they stay float32 (as in TE), only move device.
+        keep = (self.amax_history, self.scale)
+        super()._apply(fn, recurse)
+        self.amax_history = keep[0].to(self.amax_history.device)
+        self.scale = keep[1].to(self.scale.device)
+        return self
+
+    def format_of(self, role: Role) -> FloatFormat:
+        r = self.recipe
+        return r.backward_format if role is Role.GRAD_OUTPUT else r.forward_format
+
+    @torch.no_grad()
+    def cast(self, role: Role, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize x for `role` with its current scale, then learn the next scale."""
+        fmt, r, i = self.format_of(role), self.recipe, int(role)
+        amax = tensor_to_amax(x)
+        if r.scaling is Scaling.DYNAMIC:
+            self.scale[i] = amax_to_scale(amax, fmt, r.margin)
+        scale = self.scale[i].clone()
+        q = scaled_quantize(x, fmt, scale, saturate=True if r.saturate else None)
+        self.amax_history[i] = push_amax(self.amax_history[i], amax, self.filled[i])
+        self.filled[i] += 1
+        if r.scaling is Scaling.DELAYED:
+            # Delayed scaling: this step's amax only shapes the scale of the steps after it.
+            best = history_to_amax(self.amax_history[i], self.filled[i], r.amax_compute_algo)
+            self.scale[i] = amax_to_scale(best, fmt, r.margin, previous=scale)
+        if self.observer is not None:
+            self.observer(self, role, x, scale, q)
+        return q, scale
+
+    def matmul(self, qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
+               ra: Role, rb: Role) -> torch.Tensor:
+        """a @ b from FP8 values and their scales, by the chosen matmul."""
+        choice = self.matmul_choice
+        if choice == "auto":
+            # cuBLASLt FP8 GEMMs want every dimension a multiple of 16; else dequantize.
+            fits = _scaled_mm_fits(qa.device) and all(d % 16 == 0 for d in (*qa.shape, qb.shape[1]))
+            choice = "scaled_mm" if fits else "dequantize"
+        if choice == "scaled_mm":
+            return _mm_scaled(qa, sa, qb, sb, self.format_of(ra), self.format_of(rb))
+        return _mm_dequantize(qa, sa, qb, sb)
+
+    def observe_output(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       out: torch.Tensor) -> None:
+        """Tell the observer the layer output next to its fp32 reference."""
+        if self.observer is not None:
+            with torch.no_grad():
+                ref = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            self.observer(self, None, ref, None, out)
+
+    @property
+    def fp8_now(self) -> bool:
+        """Whether a forward pass here would run in FP8."""
+        return fp8_active() if self.enabled is None else self.enabled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_now:
+            return F.linear(x, self.weight, self.bias)
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        # The FP8 casts are the precision story here: autocast must not recast inside.
+        with torch.autocast(dev, enabled=False):
+            return _Fp8Matmul.apply(x, self.weight, self.bias, self, out_dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, recipe={self.recipe.describe()!r}")

@@ -1,0 +1,107 @@
+"""The real thing: NVIDIA Transformer Engine FP8 on a GPU of compute capability >= 8.9.
+
+Written after Lightning's TransformerEnginePrecision. It runs only where `transformer_engine`
+imports and such a GPU exists; ampnb's CI has neither, so this path is untested there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampnb.fp8.convert import unsupported_reason
+from ampnb.fp8.recipe import Fp8Recipe, Scaling, from_recipe_name
+
+# FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
+MIN_CAPABILITY = (8, 9)
+
+
+@dataclass(frozen=True)
+class TeStatus:
+    """Whether Transformer Engine FP8 can run on a device, and why not."""
+
+    ok: bool
+    reason: str
+
+
+def te_status(device: str | torch.device = "cuda") -> TeStatus:
+    """Check the device and the package without importing Transformer Engine."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return TeStatus(False, "real FP8 needs a CUDA GPU with compute capability >= 8.9")
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < MIN_CAPABILITY:
+        return TeStatus(False, f"this GPU has compute capability {cap[0]}.{cap[1]}; "
+                               "FP8 needs >= 8.9 (Ada, Hopper or newer)")
+    if importlib.util.find_spec("transformer_engine") is None:
+        return TeStatus(False, "transformer_engine is not installed")
+    return TeStatus(True, f"Transformer Engine on {torch.cuda.get_device_name(dev)}")
+
+
+def to_te_recipe(recipe: Fp8Recipe | str | None = None) -> Any:
+    """The Transformer Engine recipe object for an ampnb recipe."""
+    from transformer_engine.common import recipe as te_recipe
+
+    r = from_recipe_name(recipe)
+    fmt = getattr(te_recipe.Format, r.fp8_format.value)
+    if r.scaling is Scaling.DYNAMIC:
+        if not hasattr(te_recipe, "Float8CurrentScaling"):
+            raise ValueError("dynamic (current) scaling needs Transformer Engine >= 2.2; "
+                             "use a delayed recipe instead")
+        return te_recipe.Float8CurrentScaling(fp8_format=fmt)
+    return te_recipe.DelayedScaling(fp8_format=fmt, amax_history_len=r.amax_history_len,
+                                    amax_compute_algo=r.amax_compute_algo.value,
+                                    margin=r.margin)
+
+
+def convert_to_te(module: nn.Module) -> nn.Module:
+    """Swap nn.Linear / nn.LayerNorm for TE's layers in place, skipping unaligned Linear layers."""
+    import transformer_engine.pytorch as te
+
+    if any("transformer_engine" in type(m).__module__ for m in module.modules()):
+        return module  # the user built it with TE layers already (Lightning does the same)
+    skipped = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                why = unsupported_reason(child)
+                if why:
+                    skipped.append(f"{name!r} ({why})")
+                    continue
+                new = te.Linear(child.in_features, child.out_features,
+                                bias=child.bias is not None, device=child.weight.device)
+                new.weight.data = child.weight.data.clone()
+                if child.bias is not None:
+                    new.bias.data = child.bias.data.clone()
+                setattr(parent, name, new)
+            elif (isinstance(child, nn.LayerNorm) and child.elementwise_affine
+                  and child.bias is not None and len(child.normalized_shape) == 1):
+                new = te.LayerNorm(child.normalized_shape[0], eps=child.eps,
+                                   device=child.weight.device)
+                new.weight.data = child.weight.data.clone()
+                new.bias.data = child.bias.data.clone()
+                setattr(parent, name, new)
+    if skipped:
+        warnings.warn(f"FP8: linear layers stay in higher precision: {'; '.join(skipped)}",
+                      stacklevel=2)
+    return module
+
+
+@contextlib.contextmanager
+def te_forward_context(recipe: Fp8Recipe | str | None, dtype: torch.dtype):
+    """Lightning's forward context: default dtype, fallback CUDA autocast, te.fp8_autocast."""
+    import transformer_engine.pytorch as te
+
+    from ampnb.modes import default_dtype
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(default_dtype(dtype))
+        stack.enter_context(torch.autocast("cuda", dtype=dtype))
+        stack.enter_context(te.fp8_autocast(enabled=True, fp8_recipe=to_te_recipe(recipe)))
+        yield
