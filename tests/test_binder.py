@@ -95,7 +95,7 @@ def test_binder_python_satisfies_requires_python():
 
 def test_every_binder_link_opens_a_notebook_that_exists():
     paths = []
-    for doc in (ROOT / "README.md", BINDER / "README.md"):
+    for doc in (ROOT / "README.md", BINDER / "README.md", ROOT / "notebooks" / "README.md"):
         if doc.exists():
             paths += LINK.findall(doc.read_text("utf-8"))
     assert paths, "no mybinder.org launch link with urlpath= in README.md or binder/README.md"

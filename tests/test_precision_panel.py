@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import html
+import sys
 import warnings
 
 import pytest
@@ -12,11 +15,12 @@ from test_workbench import make, same, weights
 import ampnb.panels.precision_panel as pp
 from ampnb import _state
 from ampnb.device import devices
-from ampnb.modes import MODES
+from ampnb.modes import MODES, Availability
 from ampnb.panels import PrecisionPanel
 from ampnb.plots import plot_loss_curve
 from ampnb.plots.training import MODE_COLORS
 from ampnb.workbench import Workbench
+from ampnb.workbench.ops import summary_table
 
 
 @pytest.fixture
@@ -45,9 +49,11 @@ def test_controls_have_stable_names_and_options(panel):
     assert list(labels) == list(MODES)
     for name, mode in MODES.items():
         found = mode.availability("cpu")
-        assert (labels[name] == name) == found.ok
+        assert (labels[name] == name) == (found.ok and not found.reason)
         if not found.ok:
             assert labels[name] == f"{name} (unavailable: {found.reason})"
+        elif found.reason:  # runs, but not natively (FP8 emulated): the label says how
+            assert labels[name] == f"{name} ({found.reason})"
 
 
 def test_step_and_run_n_redraw_the_loss_curve(panel, shown):
@@ -80,17 +86,57 @@ def test_mode_switch_colours_a_new_segment_and_measures_speedup(panel, shown):
     assert "parameters bfloat16" in panel.status.value
 
 
-def test_unavailable_mode_is_refused_with_its_reason(panel):
-    blocked = [n for n, m in MODES.items() if not m.availability("cpu").ok]
-    if not blocked:
-        pytest.skip("every mode runs here")
+def test_unavailable_mode_is_listed_and_refused_with_its_reason(shown, monkeypatch):
+    # Every mode runs on a CPU (FP8 emulated), so pretend one needs hardware that is absent.
+    blocked = Availability(False, "needs a pretend accelerator", "32-true")
+    monkeypatch.setattr(type(MODES["64-true"]), "availability", lambda self, device="cpu": blocked)
+    panel = PrecisionPanel(Workbench(*make()), run_n=3)
+    assert ("64-true (unavailable: needs a pretend accelerator)", "64-true") in panel.mode.options
     panel.buttons["Step"].click()
-    before = weights(panel.workbench.model)
-    panel.mode.value = blocked[0]
-    reason = MODES[blocked[0]].availability("cpu").reason
-    assert reason in panel.message.value and "ValueError" in panel.message.value
+    before, state = weights(panel.workbench.model), _state.snapshot()
+    panel.mode.value = "64-true"
+    assert "needs a pretend accelerator" in panel.message.value
+    assert "ValueError" in panel.message.value
     assert panel.mode.value == "32-true" and panel.workbench.mode.name == "32-true"
-    assert same(weights(panel.workbench.model), before)
+    assert same(weights(panel.workbench.model), before) and _state.snapshot() == state
+    panel.buttons["Step"].click()  # and it keeps working
+    assert len(panel.workbench.history) == 2 and panel.message.value == ""
+
+
+def test_a_switch_updates_the_readout_without_redrawing_the_curve(panel, shown):
+    panel.buttons["Step"].click()
+    drawn, status = len(shown), panel.status.value
+    panel.mode.value = "bf16-mixed"
+    assert len(shown) == drawn and panel.status.value != status  # same curve, new settings
+    assert "mode bf16-mixed" in panel.status.value
+    panel.buttons["Step"].click()
+    assert len(shown) == drawn + 1 and shown[-1] != shown[-2]
+
+
+def _hand_trace(wb, dtype):
+    """The op summary of the same forward + backward written by hand on a copy of the model."""
+    trace = pytest.importorskip("ampnb.instruments.trace")  # the panel works without it too
+    model = copy.deepcopy(wb.model)
+    x, y = wb.batches[len(wb.history) % len(wb.batches)]
+    ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    with trace.trace_ops() as t:
+        with ctx:
+            out = model(x.to(dtype or x.dtype))
+        wb.loss_fn(out.float(), y).backward()
+    return summary_table(t, wb.mode.name)
+
+
+def test_op_summary_follows_the_mode_and_matches_a_hand_trace(panel):
+    hand32 = _hand_trace(panel.workbench, None)
+    assert panel.ops.value == hand32._repr_html_()
+    assert [r[0] for r in hand32.rows if r[0] == "ran in lower precision"] == []
+    panel.mode.value = "bf16-mixed"
+    hand = _hand_trace(panel.workbench, torch.bfloat16)
+    assert panel.ops.value == hand._repr_html_()
+    lowered = [r for r in hand.rows if r[0] == "ran in lower precision"]
+    assert lowered and "bfloat16" in lowered[0][2] and "addmm" in lowered[0][3]
+    panel.mode.value = "32-true"
+    assert panel.ops.value == hand32._repr_html_()
 
 
 def test_tf32_toggle_is_scoped_to_the_step(panel):
@@ -164,3 +210,23 @@ def test_plot_loss_curve_from_records_and_empty():
     assert [ln.get_linestyle() for ln in lines] == ["-", "--"]  # dashed while TF32 was on
     assert [list(ln.get_xdata()) for ln in lines] == [[0, 1], [2, 3]]
     assert [ln.get_color() for ln in lines] == [MODE_COLORS["32-true"], MODE_COLORS["bf16-mixed"]]
+
+
+def test_panel_works_without_the_tracer(shown, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ampnb.instruments.trace", None)  # import now fails
+    panel = PrecisionPanel(Workbench(*make()), run_n=3)
+    assert panel.ops.value == "" and panel.message.value == ""
+    panel.mode.value = "bf16-mixed"
+    panel.buttons["Step"].click()
+    assert panel.workbench.history[-1].mode == "bf16-mixed" and panel.message.value == ""
+
+
+def test_warnings_of_an_action_are_shown_in_the_panel(panel):
+    # The make() model's last Linear (out_features 4) cannot run in FP8: the swap warns.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing may escape the panel
+        panel.mode.value = "transformer-engine"
+    assert panel.workbench.mode.name == "transformer-engine" and panel.message.value == ""
+    assert "FP8" in panel.status.value and "higher precision" in panel.status.value
+    panel.buttons["Step"].click()
+    assert panel.workbench.history[-1].param_dtype == torch.bfloat16

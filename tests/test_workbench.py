@@ -6,6 +6,7 @@ import contextlib
 import copy
 import math
 import statistics
+import warnings
 
 import pytest
 import torch
@@ -89,6 +90,66 @@ def test_switch_sequences_without_steps_are_bit_identical(switches):
     assert wb.notes == []
 
 
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    """What an fp32 master keeps of a value: narrow floats widen exactly, fp32/fp64 stay."""
+    return t.float() if t.is_floating_point() and t.dtype != torch.float64 else t
+
+
+def _opt_as(state: dict, dtype: torch.dtype) -> dict:
+    """Optimizer state cast the way torch's load_state_dict casts it ("step" stays as it is)."""
+    out = copy.deepcopy(state)
+    for s in out["state"].values():
+        for k, v in s.items():
+            if k != "step" and v.is_floating_point():
+                s[k] = v.to(dtype)
+    return out
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(CPU_MODES), st.integers(0, 2)), min_size=1, max_size=5))
+def test_switches_between_steps_carry_exactly_what_trained_and_say_so(actions):
+    """A model of the promise: the master is what last trained (widened), each mode gets it
+    rounded once to its dtype, and a switch speaks exactly when it could not keep fp32/fp64."""
+    wb = Workbench(*make())
+    master, master_opt, stepped = weights(wb.model), opt_state(wb.optimizer), 0
+    for mode, n in [*actions, ("32-true", 0)]:
+        if get_mode(mode) is wb.mode:  # nothing to switch: nothing changes, nothing is said
+            live, live_opt = weights(wb.model), opt_state(wb.optimizer)
+            assert wb.set(mode=mode) == ()
+            assert same(weights(wb.model), live) and same_opt(opt_state(wb.optimizer), live_opt)
+        else:
+            narrow = wb.param_dtype in (torch.float16, torch.bfloat16)
+            if stepped:
+                master = {k: _widen(v) for k, v in weights(wb.model).items()}
+                master_opt = _opt_as(opt_state(wb.optimizer), torch.float32)
+                if wb.param_dtype == torch.float64:
+                    master_opt = opt_state(wb.optimizer)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PrecisionLossWarning)
+                notes = wb.set(mode=mode)
+            dtype = get_mode(mode).param_dtype
+            wide = any(v.dtype == torch.float64 for v in master.values())
+            assert bool(notes) == ((stepped > 0 and narrow) or (wide and dtype != torch.float64))
+            assert same(weights(wb.model), {k: v.to(dtype) for k, v in master.items()})
+            assert same_opt(opt_state(wb.optimizer), _opt_as(master_opt, dtype))
+            stepped = 0
+        wb.run(n)
+        stepped += n
+    assert wb.param_dtype == torch.float32
+
+
+def test_optimizer_state_carries_on_across_switches_as_if_none_happened():
+    losses, _, _, final = hand_loop("32-true", steps=5)
+    wb = Workbench(*make())
+    first = wb.run(2)
+    for mode in ("bf16-true", "16-mixed", "64-true", "bf16-mixed", "32-true"):
+        wb.set(mode=mode)  # no steps in between: Adam's moments and step count must survive
+    rest = wb.run(3)
+    assert [r.loss for r in first + rest] == losses
+    assert same(weights(wb.model), final)
+    assert opt_state(wb.optimizer)["state"][0]["step"] == 5
+
+
 def test_steps_in_a_true_mode_are_carried_forward_and_said():
     wb = Workbench(*make())
     wb.set(mode="bf16-true")
@@ -122,6 +183,65 @@ def test_optimizer_object_is_kept_and_repointed():
     params = {id(p) for p in model.parameters()}
     assert all(id(p) in params for g in opt.param_groups for p in g["params"])
     assert opt.defaults == make()[1].defaults
+
+
+def test_switching_through_transformer_engine_keeps_the_parameters():
+    from ampnb.fp8.linear import Fp8Linear
+
+    def fp8_layers():
+        return [n for n, m in wb.model.named_modules() if isinstance(m, Fp8Linear)]
+
+    model, opt, loss_fn, batches = make()
+    wb = Workbench(model, opt, loss_fn, batches)
+    start = weights(wb.model)
+    wb.run(1)
+    before, before_opt = weights(wb.model), opt_state(wb.optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the swap warns about a layer it skips
+        wb.set(mode="transformer-engine")
+        assert fp8_layers() == ["0"] and wb.param_dtype == torch.bfloat16
+        wb.set(mode="32-true")
+    # Before any FP8 step nothing is lost, and the plain layers are back.
+    assert fp8_layers() == [] and wb.model is model
+    assert same(weights(wb.model), before) and same_opt(opt_state(wb.optimizer), before_opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        wb.set(mode="transformer-engine")
+        record = wb.step()
+        live = {k: _widen(v) for k, v in weights(wb.model).items() if k in before}
+        with pytest.warns(PrecisionLossWarning, match="bfloat16"):
+            notes = wb.set(mode="32-true")
+    # After one, its bf16 weights are carried forward, and that is said.
+    assert record.mode == "transformer-engine" and notes and fp8_layers() == []
+    assert same(weights(wb.model), live)
+    wb.restore()
+    assert same(weights(wb.model), start) and fp8_layers() == []
+
+
+def test_probe_leaves_no_trace():
+    """A probe (the panel's op trace) changes no weights, buffers, grads, RNG or history."""
+    gen = torch.Generator().manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.Dropout(0.5), torch.nn.Linear(16, 4))
+    batches = [(torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen))]
+    wb = Workbench(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   torch.nn.functional.mse_loss, batches, mode="bf16-mixed")
+    wb.step()
+    before, grads = weights(wb.model), [p.grad.clone() for p in wb.model.parameters()]
+    rng, state = torch.get_rng_state(), _state.snapshot()
+
+    @contextlib.contextmanager
+    def saved():
+        found: list[torch.dtype] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: found.append(t.dtype) or t,
+                                                      lambda t: t):
+            yield found
+
+    seen = wb.probe(saved)
+    assert torch.bfloat16 in seen and len(wb.history) == 1  # it ran, under the mode's autocast
+    assert same(weights(wb.model), before)  # BatchNorm's running stats too
+    assert all(torch.equal(p.grad, g) for p, g in zip(wb.model.parameters(), grads))
+    assert torch.equal(torch.get_rng_state(), rng) and _state.snapshot() == state
 
 
 # ----- dtypes and losses against hand-written loops --------------------------------------
@@ -237,7 +357,6 @@ def test_restore_returns_to_the_start():
 
 @pytest.mark.parametrize("bad, match", [
     (dict(mode="fp17"), "fp17"),
-    (dict(mode="transformer-engine"), "transformer-engine"),
     (dict(device="cuda:7" if torch.cuda.is_available() else "cuda"), "cuda"),
     (dict(device="tpu"), "tpu"),
     (dict(tf32="yes"), "tf32"),

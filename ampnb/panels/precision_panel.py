@@ -21,6 +21,9 @@ from ampnb.workbench.ops import op_summary
 from ampnb.workbench.records import format_bytes
 
 _REDRAW_EVERY_S = 0.5  # during Run N: often enough to look live, rarely enough to stay cheap
+_FIGSIZE = (7.0, 3.0)
+# Room for 6-character tick labels, the axis labels and the title at 7 x 3 inches.
+_MARGINS = dict(left=0.11, right=0.985, bottom=0.15, top=0.91)
 
 
 def _dtype(d: Any) -> str:
@@ -28,11 +31,15 @@ def _dtype(d: Any) -> str:
 
 
 def mode_options(device: str) -> list[tuple[str, str]]:
-    """(label, mode name) for the dropdown; an unavailable mode's label says why."""
+    """(label, mode name) for the dropdown; an unavailable or emulated mode's label says why."""
     options = []
     for name, mode in MODES.items():
         found = mode.availability(device)
-        options.append((name if found.ok else f"{name} (unavailable: {found.reason})", name))
+        if not found.ok:
+            name_label = f"{name} (unavailable: {found.reason})"
+        else:  # e.g. FP8 emulated on a machine without Transformer Engine
+            name_label = f"{name} ({found.reason})" if found.reason else name
+        options.append((name_label, name))
     return options
 
 
@@ -61,9 +68,13 @@ class PrecisionPanel:
         self.ops = widgets.HTML()
         self.message = widgets.HTML()
         self.out = widgets.Output()
-        self.ax = new_axes(figsize=(7.0, 3.0))
+        self.ax = new_axes(figsize=_FIGSIZE)
         self.figure = self.ax.figure
+        # Fixed margins instead of constrained layout: its extra layout pass doubled every redraw.
+        self.figure.set_layout_engine(None)
+        self.figure.subplots_adjust(**_MARGINS)
         self.draws = 0
+        self._drawn: tuple[int, Any] | None = None  # (steps, last record) the figure shows
         self._syncing = False  # True while the panel itself writes widget values
         actions = {"Step": self._step, "Run N": self._run_n, "Reset": self._reset}
         for name, action in actions.items():
@@ -78,6 +89,9 @@ class PrecisionPanel:
             self.message,
             widgets.HBox([self.out, widgets.VBox([self.status, self.ops])]),
         ])
+        # Stable hooks for the browser tests (tests/browser) and for users' own CSS.
+        for w, css in ((self.widget, "panel"), (self.mode, "mode"), (self.out, "plot")):
+            w.add_class(f"ampnb-precision-{css}")
         self._safely(lambda: (self._trace(), "ready: press Step or Run N")[1])
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
@@ -87,12 +101,15 @@ class PrecisionPanel:
 
     def _safely(self, action: Callable[[], str | None]) -> None:
         try:
-            with warnings.catch_warnings():
-                # The panel shows the Workbench's notes itself; a warning would land elsewhere.
-                warnings.simplefilter("ignore", PrecisionLossWarning)
+            # Warnings would land outside the panel: it shows them in its note instead (the
+            # Workbench's own PrecisionLossWarnings already are in the note the action returns).
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 note = action()
+            said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+                    and not issubclass(w.category, PrecisionLossWarning)]
             self.message.value = ""
-            self._refresh(note)
+            self._refresh(" ".join(dict.fromkeys([note or "", *said])).strip() or None)
         except Exception as err:  # noqa: BLE001 - shown to the learner in the panel
             self._show_error(err)
             self._sync_widgets()
@@ -113,6 +130,7 @@ class PrecisionPanel:
     def _set_device(self, name: str) -> str:
         notes = self.workbench.set(device=name)
         self._sync_widgets()
+        self._trace()
         return " ".join(notes) or f"moved to {name}"
 
     def _set_tf32(self, enabled: bool) -> str:
@@ -145,7 +163,7 @@ class PrecisionPanel:
 
     def _show_error(self, err: Exception) -> None:
         text = f"{type(err).__name__}: {err}"
-        self.message.value = (f'<div style="color:#b00"><b>{html.escape(text)}</b><details>'
+        self.message.value = (f'<div class="ampnb-error" style="color:#b00"><b>{html.escape(text)}</b><details>'
                               f"<summary>traceback</summary><pre>"
                               f"{html.escape(traceback.format_exc())}</pre></details></div>")
 
@@ -183,11 +201,13 @@ class PrecisionPanel:
         if note:
             body += f"<br><i>{html.escape(note)}</i>"
         self.status.value = f'<div class="ampnb-precision-status">{body}</div>'
-        self._draw()
+        shown = (len(wb.history), last)
+        if self._drawn is None or shown[0] != self._drawn[0] or shown[1] is not self._drawn[1]:
+            self._draw()  # a switch alone leaves the curve as it is: no costly re-render
+            self._drawn = shown
 
     def _draw(self) -> None:
-        self.figure.clear()
-        self.ax = self.figure.add_subplot(1, 1, 1)
+        self.ax.clear()  # reusing the Axes is cheaper than a new one on every redraw
         plot_loss_curve(self.workbench, ax=self.ax)
         self.draws += 1
         with self.out:

@@ -16,9 +16,12 @@ from ampnb.modes import PrecisionMode, get_mode
 from ampnb.workbench.records import StepRecord, history_table, speedup
 from ampnb.workbench.state import (
     Master,
+    module_links,
     param_dtype,
+    relink,
     repoint_optimizer,
     saved_bytes_meter,
+    untouched,
 )
 
 # A model's parameter dtype -> the true mode that already describes it (used when mode=None).
@@ -114,6 +117,7 @@ class Workbench:
         self.history: list[StepRecord] = []
         self.notes: list[str] = []
         self._initial = (Master.take(model, optimizer), chosen, dev, bool(tf32))
+        self._plain = (model, module_links(model))  # the module tree before any conversion
         self._start()
 
     # ----- settings -----------------------------------------------------------------------
@@ -206,16 +210,13 @@ class Workbench:
         return [self.step() for _ in range(n)]
 
     def probe(self, context: Callable[[], contextlib.AbstractContextManager]) -> Any:
-        """Forward + backward of the next batch inside context() with no update; its value."""
+        """Forward + backward of the next batch inside context(); no update, RNG and buffers kept."""
         inputs, targets = self.batches[self._cursor % len(self.batches)]
         mode, device = self._mode, self._device
-        try:
-            with tf32_context(self._tf32), context() as seen:
-                with mode.forward_context(device):
-                    raw = self.model(mode.convert_input(_move(inputs, device)))
-                self.loss_fn(mode.convert_output(raw), _move(targets, device)).backward()
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
+        with untouched(self.model, device), tf32_context(self._tf32), context() as seen:
+            with mode.forward_context(device):
+                raw = self.model(mode.convert_input(_move(inputs, device)))
+            self.loss_fn(mode.convert_output(raw), _move(targets, device)).backward()
         return seen
 
     # ----- what a learner reads -----------------------------------------------------------
@@ -268,12 +269,15 @@ class Workbench:
 
     def _apply(self, mode: PrecisionMode, device: torch.device, master: Master) -> None:
         """Load master into the model in mode's dtype on device; re-point optimizer and scaler."""
-        model, before = self.model, list(self.model.parameters())
+        before = list(self.model.parameters())
+        model, links = self._plain
+        relink(links)  # undo the last mode's swaps (FP8 layers share the Parameters they wrap)
         carrier = torch.float64 if mode.param_dtype == torch.float64 else torch.float32
         model.to(device=device, dtype=carrier)
-        master.load_into(model)
         converted = mode.convert_module(model)
         self.model = model if converted is None else converted
+        # Loaded after the conversion, so each value is rounded once, from the master itself.
+        master.load_into(self.model)
         repoint_optimizer(self.optimizer, before, list(self.model.parameters()),
                           master.optimizer_state())
         if self.scaler is not None and self.scaler.is_enabled():

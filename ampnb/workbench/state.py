@@ -37,6 +37,7 @@ class Master:
     optimizer: dict[str, Any]
     source_dtype: torch.dtype  # parameter dtype of the live model it was taken from
     wide: bool = field(default=False)  # some floating tensor is fp64
+    params: frozenset[str] = frozenset()  # which tensors are parameters (the rest: buffers)
 
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> Master:
@@ -47,18 +48,23 @@ class Master:
                      for k, v in s.items()} for i, s in sd["state"].items()}
         opt = {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
         wide = any(t.dtype == torch.float64 for t in tensors.values())
-        return cls(tensors, opt, param_dtype(model), wide)
+        params = frozenset(n for n, _ in model.named_parameters())
+        return cls(tensors, opt, param_dtype(model), wide, params)
 
     def load_into(self, model: nn.Module) -> None:
-        """Copy the master values into the model's tensors (casting to their dtype)."""
+        """Copy the master values into the model's tensors (casting to their dtype).
+
+        Buffers only one side has (an FP8 layer's scaling history) are left as they are.
+        """
         live = named_tensors(model)
-        missing = sorted(set(self.tensors) - set(live))
+        missing = sorted(self.params - set(live))
         if missing:
-            raise ValueError(f"the model lost tensors {missing[:3]} while switching; allowed: a "
-                             f"mode whose convert_module keeps parameter names.")
+            raise ValueError(f"the model lost parameters {missing[:3]} while switching; allowed: "
+                             f"a mode whose convert_module keeps parameter names.")
         with torch.no_grad():
             for name, value in self.tensors.items():
-                live[name].copy_(value)
+                if name in live:
+                    live[name].copy_(value)
 
     def optimizer_state(self) -> dict[str, Any]:
         """A fresh copy for `optimizer.load_state_dict` (which casts it to each param's dtype)."""
@@ -75,6 +81,19 @@ def param_dtype(model: nn.Module) -> torch.dtype:
     return dtypes.pop()
 
 
+def module_links(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Every (parent, name, child) link of the model, to undo conversions that swap submodules."""
+    return [(parent, name, child) for parent in model.modules()
+            for name, child in parent.named_children()]
+
+
+def relink(links: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    """Put the recorded submodules back (e.g. nn.Linear where an FP8 swap put Fp8Linear)."""
+    for parent, name, child in links:
+        if getattr(parent, name, None) is not child:
+            setattr(parent, name, child)
+
+
 def repoint_optimizer(optimizer: torch.optim.Optimizer, before: list[nn.Parameter],
                       after: list[nn.Parameter], state: dict[str, Any]) -> None:
     """Point the optimizer's groups at the converted parameters, then load the cast state."""
@@ -84,6 +103,26 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, before: list[nn.Paramete
             group["params"] = [after[index[id(p)]] for p in group["params"]]
         optimizer.state.clear()
     optimizer.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run a probe without leaving a trace: RNG streams, buffers (BatchNorm stats), grads kept."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b is not None}
+    grads = [(p, p.grad) for p in model.parameters()]
+    devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        for p, _ in grads:
+            p.grad = None  # the probe's backward must not add into the last step's gradients
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        live = dict(model.named_buffers())
+        with torch.no_grad():
+            for name, value in buffers.items():
+                live[name].copy_(value)
+        for p, g in grads:
+            p.grad = g
 
 
 @contextlib.contextmanager
