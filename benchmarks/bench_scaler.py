@@ -48,13 +48,20 @@ def _one(mode: str, device: str) -> Result:
     ref, _ = _setup(device)
     scaler = torch.amp.GradScaler(device) if with_scaler else None
     data = itertools.cycle(ref.batches)
-    times = interleaved_medians({
-        "plain": lambda: _plain_step(ref.model, ref.optimizer, ref.loss_fn, data, scaler,
-                                     device, dtype),
-        "stepper": stepper.step,
-    }, repeat=21, warmup=3, device=device)
+    threads = torch.get_num_threads()
+    # One thread on CPU: on a shared machine, other work then slows both loops alike.
+    torch.set_num_threads(1 if device == "cpu" else threads)
+    try:
+        times = interleaved_medians({
+            "plain": lambda: _plain_step(ref.model, ref.optimizer, ref.loss_fn, data, scaler,
+                                         device, dtype),
+            "stepper": stepper.step,
+        }, repeat=41, warmup=5, device=device)
+    finally:
+        torch.set_num_threads(threads)
     ratio = times["stepper"] / times["plain"]
-    return Result(f"scaler stepper overhead ({name}, {mode}, {device}, accum {ACCUM}, clip)",
+    where = f"{device}, 1 thread" if device == "cpu" else device
+    return Result(f"scaler stepper overhead ({name}, {mode}, {where}, accum {ACCUM}, clip)",
                   f"stepper {ms(times['stepper'])}, plain loop {ms(times['plain'])} per step",
                   ratio, "<= 1.10x", ratio <= 1.10)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import pytest
@@ -66,6 +67,7 @@ CASES = {
     "clipping": dict(clip=0.05),
     "accumulation+clipping": dict(accum=2, clip=0.05),
     "natural overflow": dict(huge=(2,)),
+    "natural overflow, accumulation+clipping": dict(accum=2, clip=0.05, huge=(3,)),
     "injected inf": dict(inject=(1, 0, "inf", None)),
     "injected nan in one layer, accumulation": dict(accum=2, inject=(2, 1, "nan", "2")),
 }
@@ -187,6 +189,50 @@ def test_state_dict_round_trip_resumes_identically():
     c.next_stage()
     with pytest.raises(ValueError, match="middle of step"):
         c.state_dict()
+
+
+def test_checkpoint_survives_torch_save_and_a_weights_only_load():
+    model, opt, loss_fn, batches = make(seed=2)
+    a = ScalerStepper(model, opt, loss_fn, batches, init_scale=2.0**10, growth_interval=2)
+    a.inject("inf")
+    a.run(3)
+    buffer = io.BytesIO()
+    torch.save(a.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # torch's safe default: plain data only
+    model_b, opt_b, _, _ = make(seed=5)
+    b = ScalerStepper(model_b, opt_b, loss_fn, batches)
+    b.load_state_dict(saved)
+    assert b.history == a.history and b.growth_tracker == a.growth_tracker
+    assert [r.new_scale for r in b.run(3)] == [r.new_scale for r in a.run(3)]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model_b.parameters()))
+
+
+def test_a_generator_of_batches_is_read_lazily_and_cycled():
+    model, opt, loss_fn, batches = make(n_batches=3)
+    pulled = []
+
+    def stream():
+        for b in batches:
+            pulled.append(b)
+            yield b
+
+    lazy = ScalerStepper(model, opt, loss_fn, stream(), accumulation_steps=2)
+    assert len(pulled) == 1  # only the first batch, to check its shape
+    lazy.run(1)
+    assert len(pulled) == 2
+    lazy.run(3)  # 8 micro-steps over 3 batches: cycled after the generator ran dry
+    ref_model, ref_opt, _, _ = make(n_batches=3)
+    ref_scales, _ = plain_loop(ref_model, ref_opt, loss_fn, batches, 4, accum=2)
+    assert [r.new_scale for r in lazy.history] == ref_scales
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_an_endless_generator_does_not_hang():
+    model, opt, loss_fn, batches = make()
+    endless = ScalerStepper(model, opt, loss_fn, itertools.cycle(batches))
+    endless.run(2)
+    assert len(endless.batches) == 2 and not endless._data.exhausted
 
 
 def test_reset_rebuilds_from_initial_state():

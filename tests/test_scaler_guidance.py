@@ -44,6 +44,67 @@ def test_unscale_twice_shows_torchs_own_message():
     assert f"{torch.amp.GradScaler('cpu').get_scale():g}" in g.plain_words
 
 
+def _torch_update_without_step_message() -> str:
+    model, opt, loss_fn, batches = make()
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = batches[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()
+    with pytest.raises(AssertionError) as err:
+        scaler.update()
+    return str(err.value)
+
+
+def _torch_fp16_grads_message() -> str:
+    model, opt, loss_fn, batches = make()
+    model.half()
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = batches[0]
+    scaler.scale(loss_fn(model(x.half()), y.half())).backward()
+    with pytest.raises(ValueError) as err:
+        scaler.unscale_(opt)
+    return str(err.value)
+
+
+def _torch_scheduler_warning() -> str:
+    model, opt, loss_fn, batches = make()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # the first step overflows
+    x, y = batches[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()
+    with pytest.warns(UserWarning, match="lr_scheduler") as caught:
+        scaler.step(opt)
+        scaler.update()
+        scheduler.step()
+    return next(str(w.message) for w in caught if "lr_scheduler" in str(w.message))
+
+
+# case -> torch's own words, from the same mistake written out by hand (None: torch is silent).
+TORCH_SAYS = {"unscale_twice": _torch_unscale_twice_message,
+              "update_without_step": _torch_update_without_step_message,
+              "fp16_grads": _torch_fp16_grads_message,
+              "scheduler_before_step": _torch_scheduler_warning,
+              "clip_scaled": None, "scale_collapse": None, "bf16_no_scaler": None}
+
+
+def test_every_case_is_checked_against_a_hand_written_mistake():
+    assert set(TORCH_SAYS) == set(GUIDANCE)
+
+
+@pytest.mark.parametrize("case", list(TORCH_SAYS))
+def test_torch_says_exactly_what_a_hand_written_mistake_gets(case):
+    g = explain(case)
+    reference = TORCH_SAYS[case]
+    assert g.torch_says == ("" if reference is None else reference())
+    if reference is None:  # silent mistakes say so, instead of showing an empty message
+        assert "torch says nothing" in repr(g)
+    else:  # and a user's own error or warning is recognised as the same case
+        assert explain_error(g.torch_says).case == case
+
+
 def test_explain_error_maps_a_real_torch_error():
     message = _torch_unscale_twice_message()
     g = explain_error(RuntimeError(message))

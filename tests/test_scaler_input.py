@@ -33,7 +33,15 @@ BAD = {
     "foreign optimizer": (dict(optimizer=_other_optimizer), "none of them the model's"),
     "no batches": (dict(batches=[]), "batches is empty"),
     "device mismatch": (dict(device="meta"), "device='meta'"),
+    "not a device": (dict(device="gpu0"), "device='gpu0'"),
+    "batches not pairs": (dict(batches=[torch.zeros(4, 8)]), "batches[0] is a Tensor"),
+    "batches not iterable": (dict(batches=3), "batches=int"),
+    "empty generator": (dict(batches=iter([])), "batches is empty"),
+    "enabled with fp8": (dict(mode="transformer-engine", enabled=True), "transformer-engine"),
+    "unknown mode": (dict(mode="fp17"), "'fp17'"),
 }
+if not torch.cuda.is_available():
+    BAD["cuda on a machine without it"] = (dict(device="cuda"), "needs CUDA")
 
 
 @pytest.mark.parametrize("name", list(BAD))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
+import torch
 from test_scaler import make
 
 from ampnb import _state
@@ -120,3 +122,24 @@ def test_guidance_says_why_bf16_needs_no_scaler_and_spots_a_collapse():
     p.buttons["Run N"].click()
     assert all(r.skipped for r in p.stepper.history) and p.stepper.scale < 1
     assert "the scale collapses towards 0" in p.guidance.value
+
+
+def test_gradient_view_draws_torchs_own_scaled_gradients(panel):
+    panel.view.value = "gradients vs fp16"
+    assert [t.get_text() for t in panel.ax.texts] == ["no gradients yet: run a step"]
+    draws = panel.draws
+    panel.buttons["Next step"].click()
+    assert panel.draws == draws + 1
+    after = next(p for p in panel.ax.patches if p.get_gid() == "after")
+    values, edges, _ = after.get_data()
+    # Reference: floor(log2|g|) of the gradients torch's scaled backward really produced.
+    scaled = panel.stepper.last_grads["scaled"]
+    _, exponent = torch.frexp(scaled[scaled != 0])
+    expected = torch.bincount((exponent - 1 - int(edges[0])).long(), minlength=len(values))
+    assert np.array_equal(values, expected.numpy())
+    assert "2^8" in panel.ax.get_title()
+    panel.buttons["Inject inf"].click()
+    panel.buttons["Next step"].click()
+    assert any("inf/NaN (found_inf)" in t.get_text() for t in panel.ax.texts)
+    panel.view.value = "scale history"
+    assert _plotted_scales(panel)[-1] == panel.stepper.history[-1].new_scale

@@ -10,7 +10,7 @@ import torch
 from test_scaler import make
 
 from ampnb.formats import get_format
-from ampnb.plots import plot_grad_scaling, plot_scale_history
+from ampnb.plots import plot_grad_scaling, plot_scale_history, plot_step_gradients
 from ampnb.plots._axes import new_axes
 from ampnb.scaler import ScalerStepper
 
@@ -64,3 +64,15 @@ def test_grad_scaling_histogram_counts_and_fp16_limits(stepper):
     shift = np.median(torch.log2(scaled.abs()[scaled != 0]).numpy()) - np.median(
         torch.log2(stepper.last_grads["unscaled"].abs()[scaled != 0]).numpy())
     assert shift == pytest.approx(math.log2(stepper.history[-1].scale))
+
+
+def test_step_gradients_shift_by_exactly_log2_of_the_scale(stepper):
+    ax = plot_step_gradients(stepper)
+    hist = {p.get_gid(): p.get_data().values for p in ax.patches if p.get_gid() in ("before", "after")}
+    unscaled = stepper.last_grads["unscaled"]
+    _, exponent = torch.frexp(unscaled[unscaled != 0])
+    first = int(next(p for p in ax.patches if p.get_gid() == "before").get_data().edges[0])
+    expected = torch.bincount((exponent - 1 - first).long(), minlength=len(hist["before"]))
+    assert np.array_equal(hist["before"], expected.numpy())
+    shift = int(math.log2(stepper.last_grads["scale"]))  # a power of two: whole binades
+    assert np.array_equal(hist["after"][shift:], hist["before"][:-shift])

@@ -11,7 +11,7 @@ import ipywidgets as widgets
 from IPython.display import clear_output, display
 
 from ampnb.plots._axes import new_axes
-from ampnb.plots.scale import plot_scale_history
+from ampnb.plots.scale import plot_scale_history, plot_step_gradients
 from ampnb.scaler import ScalerStepper, diagnose, explain_error
 from ampnb.scaler.records import format_scale
 
@@ -27,6 +27,10 @@ _CONTROLS: dict[str, tuple[Callable[[Any], widgets.Widget], Callable[[Any], Any]
     "clip_norm": (lambda v: widgets.FloatText(v or 0.0, description="clip_norm (0=off)"),
                   lambda v: float(v) or None),
 }
+
+
+# plot name -> what draws it from the stepper (the figure below the loop)
+_VIEWS = {"scale history": plot_scale_history, "gradients vs fp16": plot_step_gradients}
 
 
 class ScalerPanel:
@@ -52,6 +56,10 @@ class ScalerPanel:
         self.status = widgets.HTML()
         self.message = widgets.HTML()
         self.guidance = widgets.HTML()  # what this run shows: no scaler needed, collapse...
+        self.view = widgets.ToggleButtons(options=list(_VIEWS), value="scale history",
+                                          description="plot", style=style)
+        self.view.observe(lambda _c: self._safely(lambda: f"showing {self.view.value}"),
+                          names="value")
         self.out = widgets.Output()
         self.ax = new_axes(figsize=(7.0, 3.2))
         self.figure = self.ax.figure
@@ -69,8 +77,12 @@ class ScalerPanel:
             widgets.HBox(list(self.controls.values())[3:]),
             widgets.HBox([self.listing, widgets.VBox([self.status, self.message])]),
             self.guidance,
+            self.view,
             self.out,
         ])
+        # Stable hooks for the browser tests (tests/browser) and for users' own CSS.
+        self.widget.add_class("ampnb-scaler-panel")
+        self.out.add_class("ampnb-scaler-plot")
         self._refresh("ready: press Next stage")
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
@@ -122,7 +134,7 @@ class ScalerPanel:
         guidance = explain_error(err)
         detail = (guidance._repr_html_() if guidance is not None else
                   f"<pre>{html.escape(traceback.format_exc())}</pre>")
-        self.message.value = f'<div style="color:#b00"><b>{html.escape(text)}</b></div>{detail}'
+        self.message.value = f'<div class="ampnb-error" style="color:#b00"><b>{html.escape(text)}</b></div>{detail}'
 
     # ----- view -------------------------------------------------------------------------
 
@@ -155,7 +167,7 @@ class ScalerPanel:
     def _draw(self) -> None:
         self.figure.clear()  # the twin axis goes too; the same figure is redrawn in place
         self.ax = self.figure.add_subplot(1, 1, 1)
-        plot_scale_history(self.stepper, ax=self.ax)
+        _VIEWS[self.view.value](self.stepper, ax=self.ax)
         self.draws += 1
         with self.out:
             clear_output(wait=True)

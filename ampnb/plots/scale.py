@@ -98,3 +98,23 @@ def plot_grad_scaling(source: Any, ax: Axes | None = None, fmt: str = "fp16",
     ax.set_title(f"gradients before and after scaling, against {f.name}'s range", fontsize=10)
     ax.legend(fontsize=8, loc="upper center")
     return ax
+
+
+def plot_step_gradients(stepper: Any, ax: Axes | None = None, fmt: str = "fp16") -> Axes:
+    """The last step's true gradients and the same times its loss scale, against fmt's range."""
+    from ampnb.plots.ranges import plot_loss_scale_effect  # the instruments' histogram
+
+    grads = getattr(stepper, "last_grads", None) or {}
+    if grads.get("unscaled") is None:
+        ax = new_axes(ax, figsize=(7.0, 3.2))
+        ax.text(0.5, 0.5, "no gradients yet: run a step", ha="center", va="center",
+                transform=ax.transAxes)
+        return ax
+    unscaled = grads["unscaled"]
+    ax = plot_loss_scale_effect(unscaled, scale=grads["scale"], fmt=fmt, ax=ax)
+    bad = int((~torch.isfinite(unscaled)).sum())
+    if bad:  # inf/NaN have no place on a log2 axis: say how many were left out, and why
+        ax.text(0.5, 0.5, f"{bad} of {unscaled.numel()} gradients inf/NaN (found_inf): "
+                "not drawn; this step is skipped", ha="center", va="center", fontsize=8,
+                color="C3", transform=ax.transAxes, bbox={"facecolor": "white", "alpha": 0.8})
+    return ax

@@ -51,8 +51,8 @@ class GradStats:
 
 def flat_grads(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """All gradients as one new fp32 vector (a copy), or None when there are none."""
-    grads = [p.grad.detach().float().reshape(-1) for p in params if p.grad is not None]
-    return torch.cat(grads) if grads else None
+    grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
+    return torch.cat(grads).float() if grads else None
 
 
 def grad_stats(params: Sequence[torch.Tensor]) -> GradStats | None:
@@ -64,9 +64,11 @@ def stats_of(flat: torch.Tensor | None, smallest: bool = False) -> GradStats | N
     """GradStats of a flat gradient vector; the smallest nonzero |g| only when asked (costly)."""
     if flat is None:
         return None
-    magnitude = flat.abs()
-    norm, top = torch.stack([torch.linalg.vector_norm(flat), magnitude.amax()]).tolist()
+    # max |g| is the inf-norm (no |g| copy); one stack, so one device sync for both figures.
+    norm, top = torch.stack([torch.linalg.vector_norm(flat),
+                             torch.linalg.vector_norm(flat, math.inf)]).tolist()
     nonfinite = 0
+    magnitude = flat.abs() if smallest or not math.isfinite(top) else flat
     if not math.isfinite(top):  # rare path: count the inf/NaN and look past them
         finite = torch.isfinite(magnitude)
         nonfinite = int(finite.logical_not().sum().item())

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 def _record(s: ScalerStepper, stage: str, **kw: Any) -> StageRecord:
     micro = s.micro_step if STAGE_BY_NAME[stage].micro else None
-    return StageRecord(s.step_index, micro, stage, s.scale, **kw)
+    # The scale only changes in update(): a cached copy spares a device sync per stage.
+    return StageRecord(s.step_index, micro, stage, s._scale_now, **kw)
 
 
 def _to(data: Any, device: torch.device) -> Any:
@@ -39,7 +40,7 @@ def _norm(stats: Any) -> float:
 
 
 def forward(s: ScalerStepper) -> StageRecord:
-    inputs, targets = s.batches[s.batch_index % len(s.batches)]
+    inputs, targets = s.batch(s.batch_index)
     inputs = s.mode.convert_input(_to(inputs, s.device))
     targets = _to(targets, s.device)
     with s.mode.forward_context(s.device):
@@ -60,7 +61,7 @@ def divide(s: ScalerStepper) -> StageRecord:
 
 def backward(s: ScalerStepper) -> StageRecord:
     if s.micro_step == 0:
-        s._step_scale = s.scale
+        s._step_scale = s._scale_now = s.scale
     scaled = s.scaler.scale(s._loss)
     scaled.backward()
     s._loss = None
@@ -77,7 +78,7 @@ def unscale(s: ScalerStepper) -> StageRecord:
     s.scaler.unscale_(s.optimizer)
     unscaled = flat_grads(s.params)
     # Kept for the before/after-scaling histogram; one copy each, replaced every step.
-    s.last_grads = {"scaled": s._flat, "unscaled": unscaled}
+    s.last_grads = {"scaled": s._flat, "unscaled": unscaled, "scale": s._step_scale}
     # The scaled statistics are those the last backward recorded (nothing ran in between).
     before, after = s.stages[-1].grads, stats_of(unscaled, smallest=True)
     if s.enabled:
@@ -96,7 +97,10 @@ def clip(s: ScalerStepper) -> StageRecord:
         s._notes.update(clipped=before, changed=False)
         return _record(s, "clip", grads=before, note="clip_norm off")
     torch.nn.utils.clip_grad_norm_(s.params, s.settings.clip_norm)
-    clipped = grad_stats(s.params)
+    # Far below the limit torch multiplies by exactly 1.0, which changes no bit: nothing to
+    # measure again. Near or above it (or non-finite), measure what clipping left.
+    far_below = before is not None and before.norm < 0.5 * s.settings.clip_norm
+    clipped = before if far_below else grad_stats(s.params)
     # Non-finite gradients come out NaN from clipping; "changed" only means a finite rescale.
     changed = bool(before and clipped and math.isfinite(before.norm)
                    and clipped.norm != before.norm)
@@ -121,7 +125,7 @@ def step(s: ScalerStepper) -> StageRecord:
 def update(s: ScalerStepper) -> StageRecord:
     old = s.scale
     s.scaler.update()
-    new = s.scale
+    new = s._scale_now = s.scale
     change = "backoff" if new < old else "growth" if new > old else "unchanged"
     n = s._notes
     s.history.append(StepRecord(

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ampnb._html import Table
+from ampnb.scaler.batches import BatchCycle
 from ampnb.scaler.records import StageRecord, StepRecord, history_table
 from ampnb.scaler.settings import ScalerSettings
 from ampnb.scaler.stages import RUNNERS
@@ -19,13 +20,19 @@ _INJECT = {"inf": float("inf"), "nan": float("nan")}
 _KEEP_STAGES = 10_000
 
 
-def _resolve_device(model: torch.nn.Module, device: str | torch.device | None) -> torch.device:
+def _resolve_device(model: torch.nn.Module, mode: Any,
+                    device: str | torch.device | None) -> torch.device:
     first = next(iter(model.parameters()), None)
     if first is None:
         raise ValueError("model has no parameters; ScalerStepper needs a model with parameters.")
     if device is None:
         return first.device
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a device; allowed: None (the model's), "
+                         f"'cpu' or 'cuda'.") from None
+    mode.check(dev)  # names missing hardware (e.g. no CUDA here) and what to use instead
     if dev.type != first.device.type:
         raise ValueError(f"device={str(device)!r} but the model is on {first.device}; "
                          f"allowed: the model's device (move the model first).")
@@ -67,12 +74,10 @@ class ScalerStepper:
         settings = ScalerSettings(accumulation_steps, clip_norm, init_scale, growth_factor,
                                   backoff_factor, growth_interval)
         self.mode = get_mode(mode)
-        self.device = _resolve_device(model, device)
+        self.device = _resolve_device(model, self.mode, device)
         _check_optimizer(model, optimizer)
         self.enabled = _resolve_enabled(self.mode, enabled)
-        self.batches = list(batches)
-        if not self.batches:
-            raise ValueError("batches is empty; allowed: at least one (inputs, targets) pair.")
+        self._data = BatchCycle(batches)
         self.mode.check(self.device)
         converted = self.mode.convert_module(model)
         self.model = model if converted is None else converted
@@ -99,14 +104,15 @@ class ScalerStepper:
         self._plan = ("forward", "divide", "backward") * settings.accumulation_steps + (
             "unscale", "clip", "step", "update", "zero_grad")
         self._injection: tuple[str, str | None] | None = None
-        self.last_grads: dict[str, torch.Tensor | None] = {}
+        # The last unscale_'s gradients, scaled and unscaled (flat fp32), and the scale used.
+        self.last_grads: dict[str, Any] = {}
         self._clear_step()
 
     def _clear_step(self) -> None:
         self._loss: torch.Tensor | None = None
         self._flat: torch.Tensor | None = None
         self._losses: list[float] = []
-        self._step_scale = self.scale
+        self._step_scale = self._scale_now = self.scale
         self._notes: dict[str, Any] = {"injected": ""}
 
     def reset(self, **changes: Any) -> None:
@@ -145,6 +151,15 @@ class ScalerStepper:
     @property
     def mid_step(self) -> bool:
         return self._cursor != 0
+
+    @property
+    def batches(self) -> list[Any]:
+        """The batches read so far (all of them once an iterable is exhausted)."""
+        return self._data.seen
+
+    def batch(self, index: int) -> Any:
+        """Batch `index` of the cycle, read from the iterable when needed."""
+        return self._data[index]
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -242,7 +257,8 @@ class ScalerStepper:
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(), "step_index": self.step_index,
             "batch_index": self.batch_index, "settings": dataclasses.asdict(self.settings),
-            "history": list(self.history)})
+            # Plain dicts, so torch.load(weights_only=True) reads the checkpoint back.
+            "history": [dataclasses.asdict(r) for r in self.history]})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`: the next steps are those the saved stepper would take."""
@@ -255,6 +271,7 @@ class ScalerStepper:
             raise ValueError(f"state was saved with mode {saved[0]!r}, scaler enabled={saved[1]}; "
                              f"allowed: this stepper's mode {here[0]!r}, enabled={here[1]}.")
         settings = ScalerSettings(**state["settings"])
+        history = [r if isinstance(r, StepRecord) else StepRecord(**r) for r in state["history"]]
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.optimizer.zero_grad(set_to_none=True)
@@ -263,7 +280,7 @@ class ScalerStepper:
             self.scaler.load_state_dict(state["scaler"])
         self.step_index = state["step_index"]
         self.batch_index = state["batch_index"]
-        self.history = list(state["history"])
+        self.history = history
         self._clear_step()
 
     def __repr__(self) -> str:
