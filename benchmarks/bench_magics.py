@@ -1,0 +1,156 @@
+"""`%%amp` in a real InteractiveShell against the same cell written with plain torch.autocast."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import textwrap
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from benchmarks._common import Result, interleaved_medians, ms, sync
+
+# One training step of the demo transformer: what a learner puts in a %%amp cell.
+CELL = """\
+opt.zero_grad(set_to_none=True)
+x, y = batches[0]
+loss = loss_fn(model(x), y)
+loss.backward()
+opt.step()
+"""
+REPEAT, WARMUP = 31, 3
+COMPARE_REPEAT, COMPARE_ROUNDS = 3, 6
+OVERHEAD_GOAL = 1.03
+COMPARE_TOLERANCE = 0.10
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: on a shared 2-core machine this keeps the ratios steady."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _shell(device: str) -> Any:
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from ampnb.models import demo
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "ampnb")
+    d = demo("gpt", seed=0, device=device)
+    ip.user_ns.update(torch=torch, model=d.model, opt=d.optimizer, loss_fn=d.loss_fn,
+                      batches=d.batches)
+    return ip, d
+
+
+def _run(ip: Any, code: str) -> None:
+    from IPython.utils.capture import capture_output
+
+    with capture_output():  # what the magic displays is part of its cost; keep it off the terminal
+        result = ip.run_cell(code, store_history=False, silent=False)
+    result.raise_error()
+
+
+def _autocast_cell(body: str, dtype: torch.dtype, device: str) -> str:
+    return (f"with torch.autocast({device!r}, dtype=torch.{str(dtype).removeprefix('torch.')}):\n"
+            + textwrap.indent(body, "    "))
+
+
+def _overhead(ip: Any, mode: str, dtype: torch.dtype, device: str) -> list[Result]:
+    hand = _autocast_cell(CELL, dtype, device)
+    times = interleaved_medians({
+        "hand": lambda: _run(ip, hand),
+        "amp": lambda: _run(ip, f"%%amp {mode} --device {device}\n{CELL}"),
+        "amp -q": lambda: _run(ip, f"%%amp {mode} --device {device} -q\n{CELL}"),
+    }, repeat=REPEAT, warmup=WARMUP, device=device)
+    # The same pair on a one-line cell: the fixed cost per cell, free of the step's noise.
+    tiny = "_bench_z = 1\n"
+    empty = interleaved_medians({
+        "hand": lambda: _run(ip, _autocast_cell(tiny, dtype, device)),
+        "amp": lambda: _run(ip, f"%%amp {mode} --device {device}\n{tiny}"),
+    }, repeat=REPEAT, warmup=WARMUP, device=device)
+    name = f"%%amp {mode} overhead (demo gpt train step, {device}, 1 thread)"
+    ratio, quiet = times["amp"] / times["hand"], times["amp -q"] / times["hand"]
+    fixed = empty["amp"] - empty["hand"]
+    return [
+        Result(name, f"%%amp {ms(times['amp'])}, torch.autocast cell {ms(times['hand'])}",
+               ratio, f"<= {OVERHEAD_GOAL:.2f}x", ratio <= OVERHEAD_GOAL),
+        Result(name.replace("overhead", "-q overhead"),
+               f"%%amp -q {ms(times['amp -q'])}, torch.autocast cell {ms(times['hand'])}",
+               quiet, f"<= {OVERHEAD_GOAL:.2f}x", quiet <= OVERHEAD_GOAL),
+        Result(f"  %%amp {mode} fixed cost per cell (one-line cell); / step time",
+               f"%%amp {ms(empty['amp'])}, torch.autocast cell {ms(empty['hand'])}: "
+               f"+{ms(fixed)}", fixed / times["hand"], "reported", None),
+    ]
+
+
+def _hand_times(d: Any, dtype: torch.dtype, device: str) -> dict[str, list[float]]:
+    """32-true and autocast step times, each run from fresh copies of the start (as --compare)."""
+    start = copy.deepcopy((d.model, d.optimizer))
+    x, y = d.batches[0]
+    contexts = {"fp32": contextlib.nullcontext, "amp": lambda: torch.autocast(device, dtype=dtype)}
+    times: dict[str, list[float]] = {k: [] for k in contexts}
+    for k in range(1 + COMPARE_REPEAT):  # the first round is warm-up
+        for key, ctx in contexts.items():
+            model, opt = copy.deepcopy(start)
+            torch.manual_seed(0)
+            sync(device)
+            t0 = time.perf_counter()
+            with ctx():
+                opt.zero_grad(set_to_none=True)
+                loss = d.loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+            sync(device)
+            if k:
+                times[key].append(time.perf_counter() - t0)
+    return times
+
+
+def _compare(ip: Any, d: Any, mode: str, dtype: torch.dtype, device: str) -> Result:
+    """Rounds of (--compare, hand-written) so that load drift hits both; times pooled."""
+    magic: dict[str, list[float]] = {"fp32": [], "amp": []}
+    hand: dict[str, list[float]] = {"fp32": [], "amp": []}
+    for _ in range(COMPARE_ROUNDS):
+        _run(ip, f"%%amp --compare {mode} --device {device} -r {COMPARE_REPEAT} -q "
+                 f"-o _bench_cmp\n{CELL}")
+        found = ip.user_ns.pop("_bench_cmp").comparison
+        magic["fp32"] += found.reference.times
+        magic["amp"] += found.row(mode).times
+        for key, values in _hand_times(d, dtype, device).items():
+            hand[key] += values
+    med = {k: statistics.median(v) for k, v in (("m32", magic["fp32"]), ("mamp", magic["amp"]),
+                                                ("h32", hand["fp32"]), ("hamp", hand["amp"]))}
+    got, ref = med["m32"] / med["mamp"], med["h32"] / med["hamp"]
+    ratio = got / ref
+    n = COMPARE_ROUNDS * COMPARE_REPEAT
+    return Result(f"%%amp --compare {mode} speedup vs hand-written (demo gpt step, {device})",
+                  f"--compare {got:.2f}x ({ms(med['m32'])} / {ms(med['mamp'])}), hand {ref:.2f}x "
+                  f"({ms(med['h32'])} / {ms(med['hamp'])}), medians of {n}",
+                  ratio, f"1 ± {COMPARE_TOLERANCE:.2f}", abs(ratio - 1) <= COMPARE_TOLERANCE)
+
+
+def run() -> list[Result]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    modes = {"bf16-mixed": torch.bfloat16}
+    if device == "cuda":  # fp16 on a CPU without native fp16 is a ~100x slower fallback
+        modes["16-mixed"] = torch.float16
+    rows: list[Result] = []
+    with _one_thread():
+        ip, d = _shell(device)
+        try:
+            for mode, dtype in modes.items():
+                rows += _overhead(ip, mode, dtype, device)
+                rows.append(_compare(ip, d, mode, dtype, device))
+        finally:
+            ip.run_line_magic("unload_ext", "ampnb")
+    return rows
