@@ -176,6 +176,8 @@ def support(mode_or_format: object, device: str | torch.device | DeviceInfo = "c
     found = target.availability(dev.name)
     if not found.ok:
         return Support(False, False, found.reason)
+    if found.reason:  # the mode runs, but says how (e.g. FP8 emulated where TE cannot run)
+        return Support(True, False, found.reason)
     return _format_support(get_format(target.compute_dtype), dev)
 
 

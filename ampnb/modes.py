@@ -20,7 +20,10 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Availability:
-    """Whether a mode can run on a device, why not, and what would run instead."""
+    """Whether a mode can run on a device, why not, and what would run instead.
+
+    `ok` with a `reason` means it runs, but not natively (the reason says how, e.g. emulated).
+    """
 
     ok: bool
     reason: str = ""

@@ -269,3 +269,12 @@ def test_throughput_table_rows_per_device():
         t = matmul_throughput("cpu", row[1])  # the cached record the table shows
         assert row[2] == t.n and row[4] == f"{t.tflops:.3g}"
     assert table.rows[0][5] == "1.00x"
+
+
+@pytest.mark.parametrize("name", ["transformer-engine", "transformer-engine-float16"])
+def test_support_of_a_mode_that_runs_emulated_says_so(name):
+    found = get_mode(name).availability("cpu")
+    shown = support(name, "cpu")
+    assert found.ok and shown.ok
+    if found.reason:  # emulated here (no Transformer Engine on a Hopper GPU)
+        assert not shown.native and shown.reason == found.reason

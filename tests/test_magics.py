@@ -321,3 +321,9 @@ def test_all_three_flags_together_keep_the_instruments_out_of_the_trace(ip):
     t = _extra(r, "OpTrace")
     assert not t.select(op="isfinite") and not _extra(r, "NonFinite")
     assert _extra(r, "MemoryMeter").live == 0
+
+
+def test_fp8_mode_says_which_layers_run_in_fp8(ip):
+    _amp(ip, "transformer-engine -o r", "y = lin(x)")
+    notes = " ".join(ip.user_ns["r"].notes)
+    assert "only FP8 layers run in FP8" in notes and "convert_module" in notes

@@ -83,6 +83,11 @@ def _notes(s: Settings, mode: PrecisionMode, emulation: Any = None) -> list[str]
     found = support(mode, s.device)
     if found.ok and not found.native:
         notes.append(f"{mode.name} on {s.device}: {found.reason}")
+    if mode.name.startswith("transformer-engine"):
+        # %%amp cannot swap the layers of models the cell did not make; say where FP8 happens.
+        notes.append(f"{mode.name}: only FP8 layers run in FP8 (convert a model with "
+                     f"get_mode({mode.name!r}).convert_module(model)); plain nn.Linear layers "
+                     "run in the weight dtype")
     if s.tf32 == "on" and get_device(s.device).type != "cuda":
         notes.append(tf32_effect(s.device) + "; --tf32 emulate shows its rounding")
     if emulation is not None:
