@@ -135,8 +135,11 @@ def test_diagnose_finds_collapse_and_skipped_first_step():
     assert all(r.skipped for r in history) and history[-1].new_scale < 1
     cases = [g.case for g in diagnose(stepper)]
     assert cases == ["scheduler_before_step", "scale_collapse"]
-    collapse = diagnose(stepper)[-1]
+    skipped_first, collapse = diagnose(stepper)
     assert f"{history[-1].new_scale:g}" in collapse.plain_words
+    # the skipped first step is described with this run's scales, not the demo's
+    assert f"scale {history[0].scale:g} " in skipped_first.plain_words
+    assert f"backed off to {history[0].new_scale:g} " in skipped_first.plain_words
 
 
 def test_unknown_case():

@@ -76,7 +76,7 @@ GUIDANCE: dict[str, Case] = {
         "No inf checks were recorded prior to update"),
     "scheduler_before_step": Case(
         "lr_scheduler.step() warning after a skipped first step", cases.scheduler_before_step,
-        "The first step ran at scale {scale}; its gradients overflowed fp16 (found_inf "
+        "The first step ran at scale {scale}; its gradients held inf/NaN (found_inf "
         "{found_inf}), so scaler.step() skipped optimizer.step() and the scheduler, which only "
         "counts real optimizer steps, warned. The scale backed off to {new}. This is expected "
         "while the scale calibrates in the first steps; your call order is right.",
@@ -152,7 +152,13 @@ def diagnose(stepper: Any) -> list[Guidance]:
             found.append(explain(case))
     history = stepper.history
     if history and history[0].skipped:
-        found.append(explain("scheduler_before_step"))
+        # This run's own figures, not the demo's: the panel shows it next to this run.
+        c, first = GUIDANCE["scheduler_before_step"], history[0]
+        figures = {"scale": cases._pow2(first.scale), "found_inf": first.found_inf,
+                   "new": cases._pow2(first.new_scale)}
+        found.append(Guidance("scheduler_before_step", c.title,
+                              explain("scheduler_before_step").torch_says,
+                              c.words.format(**figures), c.fix))
     # Below 1 the scale shrinks gradients; 5 skips in a row is far past the few skips of
     # calibration at the start of training (each skip already divides the scale by 2).
     if history and (history[-1].new_scale < 1 or _skips_in_a_row(history) >= 5):
