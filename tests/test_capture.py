@@ -176,3 +176,16 @@ def test_in_place_ops_after_the_hook_do_not_change_what_was_seen():
     pre_relu = model[0](x)  # the Linear's output before ReLU overwrote it in place
     assert (pre_relu < 0).any()
     _same(cap.get("0", "activation"), pre_relu)
+
+
+def test_weights_are_those_at_entry_even_after_an_optimizer_step():
+    """Summaries are computed at exit, from copies taken on entry: a step in between cannot leak in."""
+    model, x = _mlp()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=10.0)
+    with ampnb.capture(model, kinds=["weight"]) as cap:
+        model(x).pow(2).mean().backward()
+        opt.step()
+    for name, p in model.named_parameters():
+        assert not torch.equal(p, before[name])  # the step really changed it in place
+        _same(cap.get(name, "weight"), before[name])

@@ -177,3 +177,46 @@ def test_cuda_matches_cpu():
     x = torch.randn(10_000) * 1e5
     assert coverage(x.cuda(), "fp16") == coverage(x, "fp16")
     assert torch.equal(exponent_histogram(x.cuda()), exponent_histogram(x))
+
+
+def _awkward_float32(n: int = 4000) -> torch.Tensor:
+    """Random magnitudes over fp32's whole range, tiny subnormals, NaN payloads, exact cut points."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.empty(n).uniform_(-150, 128, generator=g))
+    bits = torch.tensor([0, 1, 2, 4095, 4096, 4097, 0x7F800000, 0x7F800001, 0x7FC00000,
+                         0x7FFFFFFF, 0x7F7FFFFF], dtype=torch.int32)
+    edges = [v for f in FORMATS for v in edge_values(get_format(f))]
+    return torch.cat([x, bits.view(torch.float32), -bits.view(torch.float32),
+                      torch.tensor(edges, dtype=torch.float32)])
+
+
+def test_bit_pattern_path_equals_the_general_path(monkeypatch):
+    """The float32 fast path (bit keys, chunks) gives what one bucketize over |x| gives."""
+    from ampnb.instruments import _bitkeys
+    from ampnb.instruments import coverage_stats as cs
+    x = _awkward_float32()
+    fmts = tuple(get_format(f) for f in FORMATS)
+    lengths = [1, 1000, 7, x.numel() - 1008]
+    assert cs._plan(fmts) is not None  # every registered cut point lies on the key's grid
+    monkeypatch.setattr(_bitkeys, "_CHUNK", 999)  # several chunks, the last one short
+    for lens in ([x.numel()], lengths):
+        fast = cs.segment_stats(x, lens, fmts)
+        general = cs._bucketize_stats(x, lens, fmts)
+        assert [h for _, h in fast] == [h for _, h in general]
+        for (cf, _), (cg, _) in zip(fast, general):
+            assert cf.keys() == cg.keys()
+            for k in cf:
+                a, b = cf[k], cg[k]
+                assert counts_of(a) == counts_of(b)
+                assert (a.amax, a.count) == (b.amax, b.count) or math.isnan(a.amax)
+                assert a.min_nonzero == b.min_nonzero or math.isnan(a.min_nonzero)
+
+
+def test_tiny_subnormals_histogram_against_frexp():
+    x = torch.tensor([2.0**-149, 3 * 2.0**-149, 2.0**-140, 2.0**-138, 2.0**-137, 0.0, 1.0])
+    h = exponent_histogram(x)
+    ref = torch.zeros_like(h)
+    for v in x.tolist():
+        if v:
+            ref[math.frexp(v)[1] - 1 - EXP_BINS[0]] += 1
+    assert torch.equal(h, ref)

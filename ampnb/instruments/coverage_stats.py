@@ -11,13 +11,25 @@ import torch
 from ampnb._html import Table
 from ampnb.formats import FloatFormat, get_format
 
-# One binning for every exponent histogram: bin i holds |x| in [2**(EXP_MIN+i), 2**(EXP_MIN+i+1)).
-# It spans fp32's subnormals (2**-149) to its overflow (2**128); fp64 values beyond land in
-# the end bins.
-EXP_MIN, EXP_MAX = -150, 128
-EXP_BINS: tuple[int, ...] = tuple(range(EXP_MIN, EXP_MAX + 1))
-
-FormatLike = str | torch.dtype | FloatFormat
+# EXP_* and _cut_points are imported from here by plots, benchmarks and tests.
+from ampnb.instruments._bins import (  # noqa: F401
+    _EDGES,
+    _INF_BITS,
+    _SHARED,
+    EXP_BINS,
+    EXP_MAX,
+    EXP_MIN,
+    FormatLike,
+    _cut_points,
+)
+from ampnb.instruments._bitkeys import (
+    _columns,
+    _many_segments,
+    _one_segment,
+    _plan,
+    _tiny_histograms,
+    _value,
+)
 
 
 @dataclass(frozen=True)
@@ -71,90 +83,84 @@ def _as_float_tensor(x: object, what: str = "coverage") -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _snap(t: float, fmt: FloatFormat, up: bool) -> float:
-    """Round t up (or down) to a value of `fmt`, so a comparison in that dtype is exact."""
-    if not math.isfinite(t) or t == 0.0:
-        return t
-    _, e = math.frexp(t)
-    ulp = math.ldexp(1.0, max(e - 1, fmt.min_exponent) - fmt.mantissa_bits)
-    v = (math.ceil if up else math.floor)(t / ulp) * ulp
-    return math.inf if v > fmt.max else v
-
-
-def _next_up(v: float, fmt: FloatFormat) -> float:
-    """The next value of `fmt` above v >= 0 (inf past its max)."""
-    if fmt.mantissa_bits >= 52:
-        return math.nextafter(v, math.inf)
-    e = math.frexp(v)[1] if v > 0 else fmt.min_exponent
-    nxt = v + math.ldexp(1.0, max(e - 1, fmt.min_exponent) - fmt.mantissa_bits)
-    return math.inf if nxt > fmt.max else nxt
-
-
-def _cut_points(f: FloatFormat, work: FloatFormat) -> tuple[float, float, float]:
-    """Smallest values (of the work dtype) past underflow, at normal, and at overflow."""
-    past_underflow = _next_up(_snap(f.underflow_threshold, work, up=False), work)
-    normal = _snap(f.normal_threshold, work, up=True)
-    ot = f.overflow_threshold
-    if f.overflow_inclusive:
-        over = _snap(ot, work, up=True)
-    else:
-        over = _next_up(_snap(ot, work, up=False), work)
-    return past_underflow, normal, over
-
-
-_EDGES = tuple(math.ldexp(1.0, k) for k in EXP_BINS[1:-1])  # interior histogram edges
-
-
 def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike]
                   ) -> list[tuple[dict[str, Coverage], list[int]]]:
     """Coverage in every format and the exponent histogram of each segment of a flat tensor.
 
-    Every count is "how many |x| >= b" for boundaries b of the work dtype: one bucketize
-    against the histogram edges and every format's cut points, then one bincount, on the
-    tensor's own device. Only the small count table comes back to the host.
+    Every count is "how many |x| >= b". For float32 they come from the bit pattern: one key
+    per element that every threshold falls on, one bincount, on the tensor's own device; only
+    small count tables come back to the host. float64 and unusual formats take a bucketize.
     """
-    fmts = [get_format(f) for f in formats]
+    fmts = tuple(get_format(f) for f in formats)
+    plan = _plan(fmts) if flat.dtype == torch.float32 and all(lengths) else None
+    if plan is None:
+        return _bucketize_stats(flat, lengths, fmts)
+    if len(lengths) == 1:
+        ge, ext = _one_segment(flat, plan)
+    else:
+        ge, ext = _many_segments(flat, lengths, plan)
+    cols = list(plan.cols)
+    lo, hi, pick = _columns(plan, ge.device)
+    rows = torch.cat([ge[:, pick], ge[:, lo] - ge[:, hi]], dim=1).tolist()
+    tiny_segs = [i for i, r in enumerate(rows) if r[len(cols) + 1] > 0]  # bin 1: < 2**-137
+    tiny = dict(zip(tiny_segs, _tiny_histograms(
+        flat, [lengths[i] for i in tiny_segs]))) if tiny_segs else {}
+    out = []
+    for i, (n, row) in enumerate(zip(lengths, rows)):
+        g = dict(zip(cols, row))
+        hist_i = row[len(cols):]
+        if i in tiny:  # the table put every subnormal under 2**-137 into bin 2**-149
+            hist_i[1] -= sum(tiny[i])
+            hist_i[:13] = [h + t for h, t in zip(hist_i[:13], tiny[i])]
+        hi, lo = ext[2 * i], ext[2 * i + 1]
+        out.append((_coverages(fmts, plan.cuts, g, n, _value(hi) if hi >= 0 else 0.0,
+                               _value(lo) if lo < _INF_BITS else math.inf,
+                               *(g[v] for v in _SHARED)), hist_i))
+    return out
+
+
+def _coverages(fmts: Sequence[FloatFormat], cuts: Sequence[tuple[float, ...]], g: dict,
+               n: int, amax: float, min_nz: float, g0: int, gtiny: int, ginf: int
+               ) -> dict[str, Coverage]:
+    """Coverage records from counts g[b] = how many |x| >= b (g0, gtiny, ginf: b = 0, tiny, inf)."""
+    return {f.name: Coverage(
+        format=f.name, count=n, n_overflow=g[po] - ginf, n_underflow=gtiny - g[pu],
+        n_subnormal=g[pu] - g[pn], n_normal=g[pn] - g[po], n_zero=g0 - gtiny,
+        n_nonfinite=n - g0 + ginf, amax=amax if g0 > ginf else math.nan,
+        min_nonzero=min_nz if gtiny > ginf else math.nan)
+        for f, (pu, pn, po) in zip(fmts, cuts)}
+
+
+def _bucketize_stats(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[FloatFormat]
+                     ) -> list[tuple[dict[str, Coverage], list[int]]]:
+    """The general path: one bucketize against every boundary, then one bincount."""
     work = get_format(flat.dtype)
     shared = (0.0, work.smallest_subnormal, math.inf)
     cuts = [_cut_points(f, work) for f in fmts]
     bnd = sorted({*shared, *(c for cs in cuts for c in cs), *_EDGES})
-    where = {b: i for i, b in enumerate(bnd)}
     a = flat.abs()
     codes = torch.bucketize(a, torch.tensor(bnd, dtype=a.dtype, device=a.device), right=True,
                             out_int32=True)  # how many boundaries are <= |x|
     codes.masked_fill_(torch.isnan(a), 0)  # NaN is >= nothing
     width, nseg = len(bnd) + 1, len(lengths)
     finite = a <= work.max
-    if nseg == 1:
-        table = torch.bincount(codes, minlength=width)[None]
-        ext = torch.stack([torch.where(finite, a, 0).amax(),
-                           torch.where(finite & (a > 0), a, math.inf).amin()])[None]
-    else:
-        seg = torch.repeat_interleave(torch.arange(nseg, device=a.device),
-                                      torch.tensor(lengths, device=a.device))
-        table = torch.bincount(seg * width + codes, minlength=nseg * width).view(nseg, width)
-        ext = torch.stack([
-            a.new_zeros(nseg).scatter_reduce(0, seg, torch.where(finite, a, 0), "amax"),
-            a.new_full((nseg,), math.inf).scatter_reduce(
-                0, seg, torch.where(finite & (a > 0), a, math.inf), "amin")], dim=1)
+    seg = torch.repeat_interleave(torch.arange(nseg, device=a.device),
+                                  torch.tensor(lengths, device=a.device))
+    table = torch.bincount(seg * width + codes, minlength=nseg * width).view(nseg, width)
+    ext = torch.stack([
+        a.new_zeros(nseg).scatter_reduce(0, seg, torch.where(finite, a, 0), "amax"),
+        a.new_full((nseg,), math.inf).scatter_reduce(
+            0, seg, torch.where(finite & (a > 0), a, math.inf), "amin")], dim=1)
     # ge[:, j] = how many |x| >= bnd[j]; one transfer for counts and extremes together.
     ge = table.flip(1).cumsum(1).flip(1)[:, 1:]
     rows = torch.cat([ge.double(), ext.double()], dim=1).tolist()
     out = []
     for n, row in zip(lengths, rows):
-        g = dict(zip(bnd, (int(v) for v in row[:-2])))
-        amax, min_nz = row[-2:]
-        g0, gtiny, ginf = (g[b] for b in shared)
-        covs = {}
-        for f, (pu, pn, po) in zip(fmts, cuts):
-            covs[f.name] = Coverage(
-                format=f.name, count=n, n_overflow=g[po] - ginf, n_underflow=gtiny - g[pu],
-                n_subnormal=g[pu] - g[pn], n_normal=g[pn] - g[po], n_zero=g0 - gtiny,
-                n_nonfinite=n - g0 + ginf, amax=amax if g0 > ginf else math.nan,
-                min_nonzero=min_nz if gtiny > ginf else math.nan)
-        levels = [gtiny, *(row[where[e]] for e in _EDGES), ginf]
-        hist = [int(levels[k] - levels[k + 1]) for k in range(len(levels) - 1)]
-        out.append((covs, hist))
+        g = {b: int(v) for b, v in zip(bnd, row[:-2])}
+        gtiny, ginf = g[work.smallest_subnormal], g[math.inf]
+        covs = _coverages(fmts, cuts, g, n, *row[-2:], g[0.0], gtiny, ginf)
+        levels = [gtiny, *(g[e] for e in _EDGES), ginf]
+        out.append((covs, [int(levels[j] - levels[j + 1]) for j in range(len(levels) - 1)]))
     return out
 
 

@@ -144,8 +144,9 @@ class Capture:
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
     def _record(self, x: torch.Tensor, name: str, kind: str, module: str) -> None:
-        # Only a copy is taken here; summaries wait for exit (or the first look) and are then
-        # computed for all tensors together, which costs far less than one call per tensor.
+        # Only a copy is taken here (weights too: an optimizer step may change them in place);
+        # summaries wait for exit (or the first look) and are then computed for all tensors
+        # together, in one pass, which costs far less than one call per tensor.
         key = (name, kind)
         old = self._pending.get(key) or self._stats.get(key)
         self._pending[key] = _Seen(_copy(x), name, kind, module, old.calls + 1 if old else 1)
@@ -188,7 +189,6 @@ class Capture:
                     if "gradient" in self.kinds and p.requires_grad:
                         self._handles.append(
                             p.register_post_accumulate_grad_hook(self._grad_hook(full, path)))
-            self._flush()  # weights now: an optimizer step may change them in place later
         except BaseException:
             self._detach()
             raise
