@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from ampnb._html import Table
 
@@ -51,8 +52,9 @@ class GradStats:
 
 def flat_grads(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """All gradients as one new fp32 vector (a copy), or None when there are none."""
-    grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
-    return torch.cat(grads).float() if grads else None
+    grads = [p.grad for p in params if p.grad is not None]
+    # One call that views and concatenates in C++ (as DDP's buckets do), not one op per tensor.
+    return _flatten_dense_tensors(grads).float() if grads else None
 
 
 def grad_stats(params: Sequence[torch.Tensor]) -> GradStats | None:
@@ -62,23 +64,48 @@ def grad_stats(params: Sequence[torch.Tensor]) -> GradStats | None:
 
 def stats_of(flat: torch.Tensor | None, smallest: bool = False) -> GradStats | None:
     """GradStats of a flat gradient vector; the smallest nonzero |g| only when asked (costly)."""
-    if flat is None:
-        return None
-    # max |g| is the inf-norm (no |g| copy); one stack, so one device sync for both figures.
-    norm, top = torch.stack([torch.linalg.vector_norm(flat),
-                             torch.linalg.vector_norm(flat, math.inf)]).tolist()
-    nonfinite = 0
-    magnitude = flat.abs() if smallest or not math.isfinite(top) else flat
-    if not math.isfinite(top):  # rare path: count the inf/NaN and look past them
+    return measure(flat, smallest)[0]
+
+
+def measure(flat: torch.Tensor | None, smallest: bool = False,
+            flags: Sequence[torch.Tensor] = ()) -> tuple[GradStats | None, list[float]]:
+    """GradStats of flat and the values of `flags` (e.g. found_inf), read back together."""
+    if flat is None or flat.numel() == 0:
+        stats = None if flat is None else GradStats(0.0, 0.0, 0.0 if smallest else None, 0, 0)
+        return stats, [float(f) for f in flags]
+    # aminmax is one cheap pass (the inf-norm is several times slower on CPU); max |g| is then
+    # max(|min|, |max|), exact.
+    magnitude = flat.abs() if smallest else flat
+    lo, hi = torch.aminmax(magnitude)
+    norm, lo, hi, *values = _read([torch.linalg.vector_norm(flat), lo, hi, *flags])
+    if math.isfinite(lo) and math.isfinite(hi):
+        top, nonfinite = max(abs(lo), abs(hi)), 0
+    else:  # rare path: count the inf/NaN and look past them
+        magnitude = magnitude if smallest else flat.abs()
         finite = torch.isfinite(magnitude)
         nonfinite = int(finite.logical_not().sum().item())
         magnitude = magnitude.where(finite, 0.0)
-        top = magnitude.amax().item()
+        lo, top = _read(list(torch.aminmax(magnitude)))
     low = None
-    if smallest:  # where() rather than boolean indexing: no data-dependent shapes
-        low = magnitude.where(magnitude > 0, float("inf")).amin().item()
-        low = low if math.isfinite(low) else 0.0
-    return GradStats(norm, top, low, nonfinite, flat.numel())
+    if smallest:  # lo is min |g|: the answer unless some gradient is exactly zero
+        low = lo if lo > 0 or top == 0 else _min_nonzero(magnitude)
+    return GradStats(norm, top, low, nonfinite, flat.numel()), values
+
+
+def _read(scalars: list[torch.Tensor]) -> list[float]:
+    """One-element tensors as floats: one stacked transfer from a GPU, plain reads on CPU."""
+    if scalars[0].device.type == "cpu":  # nothing to sync; a stack would be one more op
+        return [t.item() for t in scalars]
+    first = scalars[0]
+    with torch.no_grad():  # a scalar may be a loss that requires grad: no graph for a read
+        same = [t if (t.shape, t.dtype, t.device) == (first.shape, first.dtype, first.device)
+                else t.reshape(first.shape).to(first.device, first.dtype) for t in scalars]
+        return torch.stack(same).tolist()
+
+
+def _min_nonzero(magnitude: torch.Tensor) -> float:
+    # where() rather than boolean indexing: no data-dependent shapes.
+    return magnitude.where(magnitude > 0, float("inf")).amin().item()
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from ampnb.scaler.records import (
     StepRecord,
     flat_grads,
     grad_stats,
-    stats_of,
+    measure,
 )
 
 if TYPE_CHECKING:
@@ -28,8 +28,8 @@ def _record(s: ScalerStepper, stage: str, **kw: Any) -> StageRecord:
 
 
 def _to(data: Any, device: torch.device) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.to(device)
+    if isinstance(data, torch.Tensor):  # a device check is cheaper than a no-op .to()
+        return data if data.device == device else data.to(device)
     if isinstance(data, (list, tuple)):
         return type(data)(_to(d, device) for d in data)
     return data
@@ -60,8 +60,6 @@ def divide(s: ScalerStepper) -> StageRecord:
 
 
 def backward(s: ScalerStepper) -> StageRecord:
-    if s.micro_step == 0:
-        s._step_scale = s._scale_now = s.scale
     scaled = s.scaler.scale(s._loss)
     scaled.backward()
     s._loss = None
@@ -71,7 +69,9 @@ def backward(s: ScalerStepper) -> StageRecord:
         s._notes["injected"] = s._apply_injection()
         note = f"injected {s._notes['injected']}; " + note
     s._flat = flat_grads(s.params)  # after the last micro-step: the scaled gradients
-    return _record(s, "backward", loss=scaled.item(), grads=stats_of(s._flat), note=note)
+    # The scaled loss is read back with the gradient statistics (one transfer from a GPU).
+    grads, (loss,) = measure(s._flat, flags=[scaled])
+    return _record(s, "backward", loss=loss, grads=grads, note=note)
 
 
 def unscale(s: ScalerStepper) -> StageRecord:
@@ -79,13 +79,13 @@ def unscale(s: ScalerStepper) -> StageRecord:
     unscaled = flat_grads(s.params)
     # Kept for the before/after-scaling histogram; one copy each, replaced every step.
     s.last_grads = {"scaled": s._flat, "unscaled": unscaled, "scale": s._step_scale}
+    # The scaler's found_inf flags are read back with the statistics: one sync, not two.
+    flags = list(s.scaler._found_inf_per_device(s.optimizer).values()) if s.enabled else []
+    after, found = measure(unscaled, smallest=True, flags=flags)
     # The scaled statistics are those the last backward recorded (nothing ran in between).
-    before, after = s.stages[-1].grads, stats_of(unscaled, smallest=True)
-    if s.enabled:
-        per_device = s.scaler._found_inf_per_device(s.optimizer)
-        found_inf = bool(sum(v.item() for v in per_device.values()))
-    else:  # no scaler to ask: look at the gradients ourselves
-        found_inf = bool(after and after.nonfinite)
+    before = s.stages[-1].grads
+    # With no scaler to ask, look at the gradients ourselves.
+    found_inf = bool(sum(found)) if s.enabled else bool(after and after.nonfinite)
     s._notes.update(before=before, after=after, found_inf=found_inf)
     note = "divided by the scale; checked for inf/NaN" if s.enabled else "scaler disabled: no-op"
     return _record(s, "unscale", grads=after, found_inf=found_inf, note=note)
@@ -123,18 +123,19 @@ def step(s: ScalerStepper) -> StageRecord:
 
 
 def update(s: ScalerStepper) -> StageRecord:
-    old = s.scale
+    old = s._scale_now  # a cached copy: only update() changes the scale
     s.scaler.update()
     new = s._scale_now = s.scale
+    tracker = s.growth_tracker
     change = "backoff" if new < old else "growth" if new > old else "unchanged"
     n = s._notes
     s.history.append(StepRecord(
         step=s.step_index, losses=tuple(s._losses), scale=s._step_scale, new_scale=new,
-        growth_tracker=s.growth_tracker, found_inf=n["found_inf"], skipped=n["skipped"],
+        growth_tracker=tracker, found_inf=n["found_inf"], skipped=n["skipped"],
         grad_norm_scaled=_norm(n["before"]), grad_norm_unscaled=_norm(n["after"]),
         grad_norm_clipped=_norm(n["clipped"]), clipped=n["changed"], injected=n["injected"]))
     return _record(s, "update", found_inf=n["found_inf"], skipped=n["skipped"],
-                   note=f"scale {change}; growth tracker {s.growth_tracker}")
+                   note=f"scale {change}; growth tracker {tracker}")
 
 
 def zero_grad(s: ScalerStepper) -> StageRecord:

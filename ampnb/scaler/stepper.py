@@ -108,11 +108,11 @@ class ScalerStepper:
         self.last_grads: dict[str, Any] = {}
         self._clear_step()
 
-    def _clear_step(self) -> None:
+    def _clear_step(self, scale: float | None = None) -> None:
         self._loss: torch.Tensor | None = None
         self._flat: torch.Tensor | None = None
         self._losses: list[float] = []
-        self._step_scale = self._scale_now = self.scale
+        self._step_scale = self._scale_now = self.scale if scale is None else scale
         self._notes: dict[str, Any] = {"injected": ""}
 
     def reset(self, **changes: Any) -> None:
@@ -137,7 +137,7 @@ class ScalerStepper:
     @property
     def growth_tracker(self) -> int:
         """Clean steps in a row since the last growth or backoff."""
-        return int(self.scaler.state_dict().get("_growth_tracker", 0))
+        return int(self.scaler._get_growth_tracker())  # one read; state_dict() makes two
 
     @property
     def next_stage_name(self) -> str:
@@ -229,7 +229,7 @@ class ScalerStepper:
         if self._cursor == len(self._plan):
             self._cursor = 0
             self.step_index += 1
-            self._clear_step()
+            self._clear_step(self._scale_now)  # update() has just read the new scale
         return record
 
     def step(self) -> StepRecord:
