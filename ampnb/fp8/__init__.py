@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ampnb._lazy import lazy_exports
 
 # Public name -> module, imported on first use (the Transformer Engine path only when asked).
 _EXPORTS: dict[str, str] = {
@@ -37,14 +36,4 @@ _EXPORTS: dict[str, str] = {
     "quantize_model": "ampnb.fp8.lowbit_model",
     "side_by_side": "ampnb.fp8.accuracy",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'ampnb.fp8' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ampnb._lazy import lazy_exports
 
 # Public name -> module; resolved on first use so importing one instrument stays cheap.
 _EXPORTS = {
@@ -29,10 +28,4 @@ _EXPORTS = {
     "memory_meter": "ampnb.instruments.memory",
     "MemoryMeter": "ampnb.instruments.memory",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'ampnb.instruments' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ampnb._lazy import lazy_exports
 
 # Public plot name -> module. Each module draws from data computed by the pure core.
 _EXPORTS = {
@@ -19,10 +18,4 @@ _EXPORTS = {
     "plot_lowbit_grid": "ampnb.plots.fp8",
     "plot_side_by_side": "ampnb.plots.fp8",
 }
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'ampnb.plots' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,26 @@
+"""Lazy public names for a package: each resolved from a name -> module table on first use."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+def lazy_exports(package: str, exports: dict[str, str]
+                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
+    """`__getattr__`, `__dir__` and `__all__` for a package whose names live in submodules.
+
+    Keeps `import package` cheap: nothing below it (matplotlib, ipywidgets) loads until used.
+    """
+    names = sorted(exports)
+
+    def __getattr__(name: str) -> Any:
+        if name in exports:
+            return getattr(importlib.import_module(exports[name]), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return list(names)
+
+    return __getattr__, __dir__, names
