@@ -34,14 +34,9 @@ class Throughput:
 _CACHE: dict[tuple[str, str, int], Throughput] = {}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 def _measure(device: torch.device, fmt: str, n: int, note: str) -> Throughput:
+    from ampnb.device import sync  # ampnb.device imports this module
+
     dtype = torch.float32 if fmt == "tf32" else get_format(fmt).torch_dtype
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the user's RNG stream alone
     a, b = (torch.randn(n, n, generator=gen, device=device).to(dtype) for _ in range(2))
@@ -50,7 +45,7 @@ def _measure(device: torch.device, fmt: str, n: int, note: str) -> Throughput:
         for _ in range(_WARMUP):  # kernel selection, lazy init, waking the thread pool
             t0 = time.perf_counter()
             torch.mm(a, b)
-            _sync(device)
+            sync(device)
             once.append(time.perf_counter() - t0)
         inner = max(1, min(1000, int(_MIN_TIMED / max(min(once), 1e-9))))
         samples = []
@@ -58,7 +53,7 @@ def _measure(device: torch.device, fmt: str, n: int, note: str) -> Throughput:
             t0 = time.perf_counter()
             for _ in range(inner):
                 torch.mm(a, b)
-            _sync(device)
+            sync(device)
             samples.append((time.perf_counter() - t0) / inner)
     seconds = statistics.median(samples)
     return Throughput(str(device), fmt, n, seconds, 2 * n**3 / seconds / 1e12, note)

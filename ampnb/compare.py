@@ -14,7 +14,7 @@ import torch
 
 from ampnb._html import Table
 from ampnb._tf32 import TF32_SETTINGS, tf32_context
-from ampnb.device import tf32_state
+from ampnb.device import sync, tf32_state
 from ampnb.modes import get_mode
 
 REFERENCE = "32-true"
@@ -154,12 +154,6 @@ def errors(result: Any, reference: Any) -> tuple[float, float]:
 def _dtypes(result: Any) -> tuple[str, ...]:
     found = {str(v.dtype).removeprefix("torch.") for _, v in leaves(result) if v.is_floating_point()}
     return tuple(sorted(found))
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued device work, so that a timer measures it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _SavedBytes:

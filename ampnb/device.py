@@ -91,6 +91,15 @@ def get_device(device: str | torch.device | DeviceInfo) -> DeviceInfo:
     raise ValueError(f"device {str(device)!r} is not available on this machine; available: {names}")
 
 
+def sync(device: str | torch.device) -> None:
+    """Wait for the device's queued work, so that a timer around it measures it."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
 # ---------------------------------------------------------------- support
 
 

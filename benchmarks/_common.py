@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
+from ampnb.device import sync
 
 
 @dataclass(frozen=True)
@@ -21,10 +24,16 @@ class Result:
     ok: bool | None      # None where the goal cannot be judged on this machine
 
 
-def sync(device: str | torch.device = "cpu") -> None:
-    """Wait for queued device work so that a timer measures it."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+@contextlib.contextmanager
+def one_thread(on: bool = True) -> Iterator[None]:
+    """One intra-op torch thread: on a shared machine other work then slows every variant alike."""
+    before = torch.get_num_threads()
+    if on:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def median_time(fn: Callable[[], object], repeat: int = 7, warmup: int = 2,
@@ -43,8 +52,13 @@ def median_time(fn: Callable[[], object], repeat: int = 7, warmup: int = 2,
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeat: int = 7, warmup: int = 2,
-                        device: str | torch.device = "cpu") -> dict[str, float]:
-    """Median times of several functions measured round-robin, so drift hits all alike."""
+                        device: str | torch.device = "cpu",
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median times of several functions measured round-robin, so drift hits all alike.
+
+    `clock=time.thread_time` counts only this thread's CPU time (with one torch thread, CPU
+    autograd runs here too), so other processes on a shared machine do not count.
+    """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -52,10 +66,10 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeat: int = 7, w
     for _ in range(repeat):
         for k, fn in fns.items():
             sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             sync(device)
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(clock() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

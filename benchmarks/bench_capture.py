@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from benchmarks._common import Result, interleaved_medians, ms
+from benchmarks._common import Result, interleaved_medians, ms, one_thread
 
 DEMOS = ("mlp", "gpt")
 
@@ -49,15 +49,10 @@ def _one(name: str, device: str) -> list[Result]:
         with ampnb.trace_ops():
             step()
 
-    threads = torch.get_num_threads()
-    # One thread on CPU: on a shared machine, other work then slows every variant alike.
-    torch.set_num_threads(1 if device == "cpu" else threads)
-    try:
+    with one_thread(device == "cpu"):
         t = interleaved_medians({"plain": step, "capture": captured, "copies": copies_only,
                                  "trace": traced},
                                 repeat=15, warmup=3, device=device)
-    finally:
-        torch.set_num_threads(threads)
     where = f"{device}, 1 thread" if device == "cpu" else device
     label = f"demo {name}, {d.n_params} params, {where}"
     cap, tr = t["capture"] / t["plain"], t["trace"] / t["plain"]

@@ -7,12 +7,11 @@ import copy
 import statistics
 import textwrap
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from benchmarks._common import Result, interleaved_medians, ms, sync
+from benchmarks._common import Result, interleaved_medians, ms, one_thread, sync
 
 # One training step of the demo transformer: what a learner puts in a %%amp cell.
 CELL = """\
@@ -26,17 +25,6 @@ REPEAT, WARMUP = 31, 3
 COMPARE_REPEAT, COMPARE_ROUNDS = 3, 6
 OVERHEAD_GOAL = 1.03
 COMPARE_TOLERANCE = 0.10
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared 2-core machine this keeps the ratios steady."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _shell(device: str) -> Any:
@@ -145,7 +133,7 @@ def run() -> list[Result]:
     if device == "cuda":  # fp16 on a CPU without native fp16 is a ~100x slower fallback
         modes["16-mixed"] = torch.float16
     rows: list[Result] = []
-    with _one_thread():
+    with one_thread():
         ip, d = _shell(device)
         try:
             for mode, dtype in modes.items():

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import statistics
 import time
-from collections.abc import Iterator
 
 import torch
 
-from benchmarks._common import Result, median_time, ms
+from benchmarks._common import Result, median_time, ms, one_thread
 
 REPEAT, WARMUP = 15, 3
 GOAL_S = 0.150
 # The modes a CPU runs at full speed; fp16 there is a ~100x slower fallback (timed separately).
 CYCLE = ("32-true", "bf16-mixed", "bf16-true")
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on a shared 2-core machine this keeps the timings steady."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _panel(device: str):
@@ -87,7 +74,7 @@ def _measure(panel, modes: tuple[str, ...], repeat: int, warmup: int) -> dict[st
 
 def run() -> list[Result]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with _one_thread():
+    with one_thread():
         panel = _panel(device)
         found = _measure(panel, CYCLE, REPEAT, WARMUP)
         floor = _render_floor()

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
-from benchmarks._common import Result, interleaved_medians, ms
+from benchmarks._common import Result, interleaved_medians, ms, one_thread
 
 ACCUM, CLIP = 2, 1.0
 # mode -> (autocast dtype, whether the plain loop uses a GradScaler): the loops nanoGPT writes.
@@ -44,22 +42,6 @@ def _plain_step(model, opt, loss_fn, data, scaler, device, dtype):
     opt.zero_grad(set_to_none=True)
 
 
-def _cpu_medians(fns: dict[str, Callable[[], object]], repeat: int, warmup: int
-                 ) -> dict[str, float]:
-    """Median CPU time of this thread, round-robin: other processes on a shared machine
-    do not count (with one torch thread, CPU autograd runs in this thread too)."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        for k, fn in fns.items():
-            t0 = time.thread_time()
-            fn()
-            times[k].append(time.thread_time() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def _one(name: str, mode: str, device: str) -> Result:
     from ampnb.scaler import ScalerStepper
 
@@ -72,15 +54,12 @@ def _one(name: str, mode: str, device: str) -> Result:
     fns = {"plain": lambda: _plain_step(ref.model, ref.optimizer, ref.loss_fn, data, scaler,
                                         device, dtype),
            "stepper": stepper.step}
-    if device == "cuda":
-        times, clock = interleaved_medians(fns, repeat=41, warmup=5, device=device), "wall"
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            times, clock = _cpu_medians(fns, repeat=41, warmup=5), "thread CPU time"
-        finally:
-            torch.set_num_threads(threads)
+    # On CPU: this thread's CPU time with one torch thread; other processes do not count.
+    cpu = device == "cpu"
+    with one_thread(cpu):
+        times = interleaved_medians(fns, repeat=41, warmup=5, device=device,
+                                    clock=time.thread_time if cpu else time.perf_counter)
+    clock = "thread CPU time" if cpu else "wall"
     ratio = times["stepper"] / times["plain"]
     return Result(f"scaler stepper overhead ({label}, {mode}, {device}, {clock}, "
                   f"accum {ACCUM}, clip)",

@@ -13,8 +13,8 @@ from IPython.display import Pretty, display
 
 from ampnb import _state
 from ampnb._tf32 import TF32_SETTINGS, tf32_context
-from ampnb.compare import Work, compare, sync
-from ampnb.device import get_device, support, tf32_effect, tf32_state
+from ampnb.compare import Work, compare
+from ampnb.device import get_device, support, sync, tf32_effect, tf32_state
 from ampnb.magics import instruments
 from ampnb.magics.cell import NamespaceReset, Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun

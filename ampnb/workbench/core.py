@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from ampnb._html import Table
+from ampnb.device import get_device, sync
+from ampnb.device import tf32 as tf32_switch  # `tf32` is also a parameter and property here
 from ampnb.modes import PrecisionMode, get_mode
 from ampnb.workbench.records import StepRecord, history_table, speedup
 from ampnb.workbench.state import (
@@ -35,19 +37,8 @@ class PrecisionLossWarning(UserWarning):
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """A present device by name (ampnb.device's registry when it is there)."""
-    try:
-        from ampnb.device import get_device
-    except ImportError:  # ampnb.device is optional for the Workbench; torch knows the names
-        return torch.device(device)
+    """A present device by name (ValueError names the available ones)."""
     return torch.device(get_device(str(device)).name)
-
-
-def tf32_context(enabled: bool) -> contextlib.AbstractContextManager:
-    """ampnb.device.tf32 around the step: the global flags are restored afterwards."""
-    from ampnb.device import tf32
-
-    return tf32(enabled)
 
 
 def _move(data: Any, device: torch.device) -> Any:
@@ -69,11 +60,6 @@ def _first_float_dtype(data: Any) -> torch.dtype | None:
         if found is not None:
             return found
     return None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _check_inputs(model: Any, optimizer: Any, loss_fn: Any, batches: list[Any]) -> None:
@@ -169,8 +155,8 @@ class Workbench:
         if peak:
             torch.cuda.reset_peak_memory_stats(device)
         scale = None if scaler is None else float(scaler.get_scale())
-        with tf32_context(self._tf32):
-            _sync(device)
+        with tf32_switch(self._tf32):
+            sync(device)
             start = time.perf_counter()
             x = mode.convert_input(_move(inputs, device))
             y = _move(targets, device)
@@ -190,7 +176,7 @@ class Workbench:
                 # update() backs the scale off exactly when step() found inf/NaN and skipped.
                 skipped = float(scaler.get_scale()) < scale
             value = float(loss.detach())
-            _sync(device)
+            sync(device)
             seconds = time.perf_counter() - start
         self._cursor += 1
         self._steps_here += 1
@@ -213,7 +199,7 @@ class Workbench:
         """Forward + backward of the next batch inside context(); no update, RNG and buffers kept."""
         inputs, targets = self.batches[self._cursor % len(self.batches)]
         mode, device = self._mode, self._device
-        with untouched(self.model, device), tf32_context(self._tf32), context() as seen:
+        with untouched(self.model, device), tf32_switch(self._tf32), context() as seen:
             with mode.forward_context(device):
                 raw = self.model(mode.convert_input(_move(inputs, device)))
             self.loss_fn(mode.convert_output(raw), _move(targets, device)).backward()
