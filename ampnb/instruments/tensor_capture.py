@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -63,22 +64,22 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
     """Summaries of many tensors: one segmented pass per (device, dtype) group."""
     fmts = tuple(get_format(f) for f in formats)
     seen = list(seen)
-    groups: dict[tuple, list[int]] = {}
-    for i, s in enumerate(seen):
+    groups: dict[tuple, dict[int, torch.Tensor]] = {}  # one segment per distinct tensor
+    for s in seen:
         if s.tensor.numel():  # an empty output is a fact to show, not an error in a hook
             flat_dtype = torch.float64 if s.tensor.dtype == torch.float64 else torch.float32
-            groups.setdefault((s.tensor.device, flat_dtype), []).append(i)
+            groups.setdefault((s.tensor.device, flat_dtype), {})[id(s.tensor)] = s.tensor
     found: dict[int, tuple] = {}
     with internal(), torch.no_grad():
-        for (_, dt), idx in groups.items():
-            flat = torch.cat([seen[i].tensor.reshape(-1).to(dt) for i in idx])
-            lengths = [seen[i].tensor.numel() for i in idx]
-            for i, (covs, hist) in zip(idx, segment_stats(flat, lengths, fmts or (dt,))):
+        for (_, dt), tensors in groups.items():
+            flat = torch.cat([t.reshape(-1).to(dt) for t in tensors.values()])
+            lengths = [t.numel() for t in tensors.values()]
+            for i, (covs, hist) in zip(tensors, segment_stats(flat, lengths, fmts or (dt,))):
                 found[i] = (covs, tuple(hist))
     out = []
-    for i, s in enumerate(seen):
+    for s in seen:
         t = s.tensor
-        covs, hist = found.get(i, ({}, ()))
+        covs, hist = found.get(id(t), ({}, ()))
         c0 = next(iter(covs.values()), None)  # amax and min |x| are the same in every format
         out.append(TensorStats(
             s.name, s.module, s.kind, tuple(t.shape), str(t.dtype).removeprefix("torch."),
@@ -120,11 +121,17 @@ def _float_tensors(out: object, prefix: str = "") -> Iterator[tuple[str, torch.T
 
 
 class Capture:
-    """Context manager: attach hooks on enter, remove every one of them on exit."""
+    """Context manager: attach hooks on enter, remove every one of them on exit.
+
+    Forward calls of the model are counted; one in `every` is captured (the first one, then
+    every `every`-th), with the backward that follows it. Between captured calls only one
+    hook stays on the model, so capture can stay attached while a model trains.
+    """
 
     def __init__(self, model: nn.Module, kinds: Iterable[str] = ("weight", "activation",
                  "gradient"), modules: str | Iterable[str] = "*",
-                 formats: Iterable[str] = DEFAULT_FORMATS, keep: bool = False) -> None:
+                 formats: Iterable[str] = DEFAULT_FORMATS, keep: bool = False,
+                 every: int = 1) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"capture needs an nn.Module, got {type(model).__name__}")
         self.kinds = tuple(kinds)
@@ -134,11 +141,18 @@ class Capture:
         self.formats = tuple(get_format(f).name for f in formats)
         if not self.formats:
             raise ValueError("capture needs at least one format, e.g. formats=('fp16', 'bf16')")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int (capture one forward call in "
+                             f"every), got {every!r}")
         self.patterns = (modules,) if isinstance(modules, str) else tuple(modules)
-        self.model, self.keep = model, keep
+        self.model, self.keep, self.every = model, keep, every
+        self.forwards = 0  # forward calls of the model seen inside the block
         self._stats: dict[tuple[str, str], TensorStats | None] = {}  # None: not summarized yet
         self._pending: dict[tuple[str, str], _Seen] = {}
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []  # live until exit
+        self._armed: list[torch.utils.hooks.RemovableHandle] = []  # only while capturing
+        self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._targets: list[tuple[str, nn.Module, list[tuple[str, torch.Tensor]]]] = []
 
     def _wanted(self, path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
@@ -149,10 +163,22 @@ class Capture:
         # together, in one pass, which costs far less than one call per tensor.
         key = (name, kind)
         old = self._pending.get(key) or self._stats.get(key)
-        self._pending[key] = _Seen(_copy(x), name, kind, module, old.calls + 1 if old else 1)
+        self._pending[key] = _Seen(self._copy_once(x), name, kind, module,
+                                   old.calls + 1 if old else 1)
         self._stats.setdefault(key, None)
 
+    def _copy_once(self, x: torch.Tensor) -> torch.Tensor:
+        """One private copy per tensor object and version: a container's output is usually
+        its last child's output, and is then copied (and later summarized) once."""
+        seen = self._copies.get(id(x))
+        if seen is not None and seen[0]() is x and seen[1] == x._version:
+            return seen[2]
+        copy = _copy(x)
+        self._copies[id(x)] = (weakref.ref(x), x._version, copy)
+        return copy
+
     def _flush(self) -> None:
+        self._copies.clear()
         if self._pending:
             pending, self._pending = self._pending, {}
             for key, s in zip(pending, summarize_many(pending.values(), self.formats, self.keep)):
@@ -175,26 +201,55 @@ class Capture:
                 self._record(p.grad, name, "gradient", path)
         return hook
 
+    def _on_forward(self, module: nn.Module, args: object) -> None:
+        """Root pre-hook: decide whether this forward call is captured, (dis)arm the rest."""
+        n, self.forwards = self.forwards, self.forwards + 1
+        self._copies.clear()
+        if n % self.every:
+            self._disarm()
+            return
+        if n and "weight" in self.kinds:  # call 0 uses the weights copied on entry
+            self._record_weights()
+        self._arm()
+
+    def _record_weights(self) -> None:
+        for path, _, params in self._targets:
+            for full, p in params:
+                if p.is_floating_point() and p.numel():
+                    self._record(p, full, "weight", path)
+
+    def _arm(self) -> None:
+        if self._armed:
+            return
+        acts = "activation" in self.kinds or "activation_gradient" in self.kinds
+        for path, m, params in self._targets:
+            if acts:
+                self._armed.append(m.register_forward_hook(self._forward_hook(path)))
+            if "gradient" in self.kinds:
+                self._armed.extend(p.register_post_accumulate_grad_hook(self._grad_hook(full, path))
+                                   for full, p in params if p.requires_grad)
+
+    def _disarm(self) -> None:
+        for h in self._armed:
+            h.remove()
+        self._armed.clear()
+
     def __enter__(self) -> Capture:
         try:
-            for path, m in self.model.named_modules():
-                if not self._wanted(path):
-                    continue
-                if "activation" in self.kinds or "activation_gradient" in self.kinds:
-                    self._handles.append(m.register_forward_hook(self._forward_hook(path)))
-                for pname, p in m.named_parameters(recurse=False):
-                    full = f"{path}.{pname}" if path else pname
-                    if "weight" in self.kinds and p.is_floating_point() and p.numel():
-                        self._record(p, full, "weight", path)
-                    if "gradient" in self.kinds and p.requires_grad:
-                        self._handles.append(
-                            p.register_post_accumulate_grad_hook(self._grad_hook(full, path)))
+            self._targets = [(path, m, [(f"{path}.{n}" if path else n, p)
+                                        for n, p in m.named_parameters(recurse=False)])
+                             for path, m in self.model.named_modules() if self._wanted(path)]
+            if "weight" in self.kinds:
+                self._record_weights()
+            self._handles.append(self.model.register_forward_pre_hook(self._on_forward))
+            self._arm()  # the first forward call (and a backward before any) is captured
         except BaseException:
             self._detach()
             raise
         return self
 
     def _detach(self) -> None:
+        self._disarm()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -248,6 +303,6 @@ class Capture:
 
 def capture(model: nn.Module, kinds: Iterable[str] = ("weight", "activation", "gradient"),
             modules: str | Iterable[str] = "*", formats: Iterable[str] = DEFAULT_FORMATS,
-            keep: bool = False) -> Capture:
+            keep: bool = False, every: int = 1) -> Capture:
     """`with capture(model) as cap:` records summaries of the selected tensors."""
-    return Capture(model, kinds, modules, formats, keep)
+    return Capture(model, kinds, modules, formats, keep, every)
