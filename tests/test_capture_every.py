@@ -8,7 +8,7 @@ from torch import nn
 
 import ampnb
 from ampnb import _state
-from ampnb.instruments import tensor_capture
+from ampnb.instruments import summaries
 from ampnb.models.mlp import MLP
 
 
@@ -64,13 +64,13 @@ def test_between_captured_calls_only_the_counting_hook_stays():
 def test_a_container_output_is_copied_and_summarized_once(monkeypatch):
     model, xs, _ = _setup()
     sizes = []
-    real = tensor_capture.segment_stats
+    real = summaries.segment_stats
 
     def spy(flat, lengths, fmts):
         sizes.extend(lengths)
         return real(flat, lengths, fmts)
 
-    monkeypatch.setattr(tensor_capture, "segment_stats", spy)
+    monkeypatch.setattr(summaries, "segment_stats", spy)
     with ampnb.capture(model, kinds=["activation"]) as cap:
         out = model(xs[0])
     body, last = cap.get("body", "activation"), cap.get(f"body.{len(model.body) - 1}",

@@ -14,7 +14,8 @@ from torch import nn
 
 from ampnb.formats import get_format
 from ampnb.instruments.coverage_stats import coverage_table
-from ampnb.instruments.tensor_capture import DEFAULT_FORMATS, Capture, capture
+from ampnb.instruments.summaries import DEFAULT_FORMATS
+from ampnb.instruments.tensor_capture import Capture, capture
 from ampnb.models import Demo
 from ampnb.plots._axes import new_axes
 from ampnb.plots.ranges import RANGE_FORMATS, plot_layer_summary, plot_tensor_histogram

@@ -12,7 +12,7 @@ from torch import nn
 
 from ampnb.formats import FloatFormat, get_format
 from ampnb.instruments.coverage_stats import EXP_BINS, Coverage, _pct
-from ampnb.instruments.tensor_capture import TensorStats, summarize
+from ampnb.instruments.summaries import TensorStats, summarize
 from ampnb.plots._axes import new_axes
 
 LADDER_FORMATS = ("fp32", "bf16", "fp16", "fp8_e5m2", "fp8_e4m3")
