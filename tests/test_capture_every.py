@@ -93,3 +93,18 @@ def test_bad_every_and_an_exception_mid_loop_leave_nothing_behind():
             model(xs[1])
             model(torch.randn(3, 5))  # wrong width: raises inside a captured call
     assert _hooks_on(model) == 0 and _state.snapshot() == before
+
+
+def test_activation_gradients_come_from_the_captured_calls_only():
+    model, xs, _ = _setup()
+    with ampnb.capture(model, kinds=["activation_gradient"], modules="head", every=2) as cap:
+        grads = []
+        for x in xs[:4]:  # calls 0 and 2 are captured
+            out = model(x)
+            out.retain_grad()
+            out.pow(2).mean().backward()
+            grads.append(out.grad.clone())
+    s = cap.get("head", "activation_gradient")
+    assert s.calls == 2
+    assert s.coverage("fp16") == ampnb.coverage(grads[2], "fp16")
+    assert s.amax == grads[2].abs().max().item() != grads[3].abs().max().item()
