@@ -139,6 +139,25 @@ says what share of the elements would overflow, underflow or go subnormal:"""),
 plot_tensor_histogram(cap.get("body.2.weight", "gradient"),
                       ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")).figure"""),
     md("""
+### Watching a model while it trains
+
+Capturing every tensor of every step costs more than a small model's whole step on a
+CPU. To keep watching during training, leave capture attached with `every=N`: one forward call
+in N is captured (with the backward that follows it), and in between only one counting hook
+stays on the model, so training runs at nearly full speed. `.records` then show the last
+captured call; `calls` says how many were captured."""),
+    checked("""
+d = demo("mlp")
+with ampnb.capture(d.model, kinds=("gradient",), every=50) as watch:
+    for step in range(120):
+        x, y = d.batches[step % len(d.batches)]
+        d.optimizer.zero_grad()
+        d.loss_fn(d.model(x), y).backward()
+        d.optimizer.step()
+print(watch.forwards, "forward calls,", watch.records[0].calls, "captured (calls 0, 50 and 100)")"""),
+    code("""
+watch.table("fp16")"""),
+    md("""
 ## 4. Why small fp16 gradients vanish without loss scaling
 
 In deeper networks gradients spread over many binades, and the small ones fall below fp16's
