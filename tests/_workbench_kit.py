@@ -1,0 +1,116 @@
+"""Shared pieces of the Workbench tests: a tiny model, bit-exact comparisons, hand loops."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import pytest
+import torch
+
+CPU_MODES = ["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make(seed: int = 0, n_batches: int = 3, huge: tuple[int, ...] = ()):
+    """A tiny MLP, Adam and regression batches; batch i in `huge` overflows fp16."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                    torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batches = [(torch.randn(16, 8, generator=gen) * (1e6 if i in huge else 1.0),
+                torch.randn(16, 4, generator=gen)) for i in range(n_batches)]
+    return model, opt, torch.nn.functional.mse_loss, batches
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns (so NaN == NaN when the bits agree)."""
+    return t.view(_INT_OF_SIZE[t.element_size()]) if t.is_floating_point() else t
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit-identical, dtype included."""
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype
+                                        and torch.equal(bits(a[k]), bits(b[k])) for k in a)
+
+
+def same_floats(a: list[float], b: list[float]) -> bool:
+    """Equal lists of Python floats, where NaN matches NaN."""
+    return len(a) == len(b) and all(x == y or (math.isnan(x) and math.isnan(y))
+                                    for x, y in zip(a, b))
+
+
+def opt_state(opt) -> dict:
+    return copy.deepcopy(opt.state_dict())
+
+
+def same_opt(a: dict, b: dict) -> bool:
+    return a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys() and all(
+        a["state"][i].keys() == b["state"][i].keys()
+        and all(torch.equal(bits(a["state"][i][k]), bits(b["state"][i][k]))
+                and a["state"][i][k].dtype == b["state"][i][k].dtype for k in a["state"][i])
+        for i in a["state"])
+
+
+def _autocast(dtype):
+    return lambda: torch.autocast("cpu", dtype=dtype)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+# mode -> (module dtype, input dtype, forward context) as Lightning Fabric's plugins do it.
+HAND = {
+    "32-true": (torch.float32, torch.float32, contextlib.nullcontext),
+    "bf16-mixed": (torch.float32, torch.bfloat16, _autocast(torch.bfloat16)),
+    "16-mixed": (torch.float32, torch.float16, _autocast(torch.float16)),
+    "bf16-true": (torch.bfloat16, torch.bfloat16, lambda: _default_dtype(torch.bfloat16)),
+    "16-true": (torch.float16, torch.float16, lambda: _default_dtype(torch.float16)),
+    "64-true": (torch.float64, torch.float64, lambda: _default_dtype(torch.float64)),
+}
+
+
+def hand_loop(mode: str, steps: int, huge=()):
+    """The training loop written out with plain torch: losses, skips and final weights."""
+    model, _, loss_fn, batches = make(huge=huge)
+    p_dtype, x_dtype, ctx = HAND[mode]
+    model.to(p_dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu") if mode == "16-mixed" else None
+    losses, skipped, out_dtypes = [], [], []
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        with ctx():
+            out = model(x.to(x_dtype))
+        out_dtypes.append(out.dtype)
+        loss = loss_fn(out.float(), y)
+        if scaler:
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < scale)
+        else:
+            loss.backward()
+            opt.step()
+            skipped.append(False)
+        losses.append(loss.item())
+    return losses, skipped, out_dtypes, weights(model)

@@ -1,0 +1,183 @@
+"""Workbench against hand-written loops: per-mode dtypes and losses, restore, bad input, state."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from _workbench_kit import (
+    CPU_MODES,
+    HAND,
+    hand_loop,
+    make,
+    needs_cuda,
+    opt_state,
+    same,
+    same_floats,
+    same_opt,
+    weights,
+)
+
+from ampnb import _state
+from ampnb.workbench import PrecisionLossWarning, Workbench
+
+
+@pytest.mark.parametrize("mode", list(HAND))
+def test_losses_dtypes_and_weights_match_a_hand_written_loop(mode):
+    # Same ops on the same CPU in the same order, so equality is exact, not approximate.
+    losses, skipped, out_dtypes, final = hand_loop(mode, steps=4)
+    wb = Workbench(*make(), mode=mode)
+    records = wb.run(4)
+    # 16-true with Adam goes NaN after one step (eps=1e-8 is 0 in fp16): the same in both.
+    assert same_floats([r.loss for r in records], losses)
+    assert [r.skipped for r in records] == skipped
+    assert [r.output_dtype for r in records] == out_dtypes
+    assert all(r.param_dtype == HAND[mode][0] and r.mode == mode for r in records)
+    assert same(weights(wb.model), final)
+
+
+def test_16_mixed_skips_overflow_like_torch_and_keeps_the_scale_across_switches():
+    losses, skipped, _, final = hand_loop("16-mixed", steps=3, huge=(1,))
+    wb = Workbench(*make(huge=(1,)), mode="16-mixed")
+    records = wb.run(3)
+    assert [r.skipped for r in records] == skipped and any(skipped)
+    assert same_floats([r.loss for r in records], losses)
+    assert same(weights(wb.model), final)
+    scale = wb.scaler.get_scale()
+    assert scale < records[0].scale  # backed off after the overflow
+    wb.set(mode="bf16-mixed")
+    assert wb.scaler is None
+    wb.set(mode="16-mixed")
+    assert wb.scaler.get_scale() == scale
+
+
+def test_mode_given_by_alias_and_inferred_from_the_model():
+    assert Workbench(*make(), mode=16).mode.name == "16-mixed"
+    model, _, loss_fn, batches = make()
+    model.to(torch.bfloat16)
+    wb = Workbench(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches)
+    assert wb.mode.name == "bf16-true" and wb.param_dtype == torch.bfloat16
+
+
+# ----- restore, bad input, global state ---------------------------------------------------
+
+def test_restore_returns_to_the_start():
+    wb = Workbench(*make())
+    start, start_opt = weights(wb.model), opt_state(wb.optimizer)
+    first = [r.loss for r in wb.run(2)]
+    wb.set(mode="bf16-true", tf32=True)
+    wb.run(2)
+    with pytest.warns(PrecisionLossWarning):
+        wb.set(mode="16-mixed")
+    wb.step()
+    wb.restore()
+    assert same(weights(wb.model), start) and same_opt(opt_state(wb.optimizer), start_opt)
+    assert (wb.mode.name, str(wb.device), wb.tf32, wb.history, wb.notes) == (
+        "32-true", "cpu", False, [], [])
+    assert [r.loss for r in wb.run(2)] == first
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(mode="fp17"), "fp17"),
+    (dict(device="cuda:7" if torch.cuda.is_available() else "cuda"), "cuda"),
+    (dict(device="tpu"), "tpu"),
+    (dict(tf32="yes"), "tf32"),
+    (dict(mode="bf16-true", tf32=1), "tf32"),
+])
+def test_bad_settings_raise_one_line_and_change_nothing(bad, match):
+    wb = Workbench(*make())
+    wb.run(2)
+    before, before_opt, state = weights(wb.model), opt_state(wb.optimizer), _state.snapshot()
+    with pytest.raises(ValueError, match=match) as err:
+        wb.set(**bad)
+    assert "\n" not in str(err.value)
+    assert same(weights(wb.model), before) and same_opt(opt_state(wb.optimizer), before_opt)
+    assert (wb.mode.name, wb.tf32, _state.snapshot()) == ("32-true", False, state)
+
+
+def test_bad_construction_raises_and_leaves_the_model_alone():
+    model, opt, loss_fn, batches = make()
+    before = weights(model)
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    cases = [dict(optimizer=other), dict(batches=[]), dict(loss_fn=3), dict(mode="nope"),
+             dict(device="cuda:9"), dict(tf32="on"), dict(batches=[torch.ones(2)])]
+    for case in cases:
+        args = dict(model=model, optimizer=opt, loss_fn=loss_fn, batches=batches) | case
+        with pytest.raises(ValueError):
+            Workbench(**args)
+    assert same(weights(model), before) and opt.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("mode", CPU_MODES)
+@pytest.mark.parametrize("tf32", [False, True])
+def test_global_state_restored_after_a_step_and_a_raising_loss(mode, tf32):
+    state = _state.snapshot()
+    wb = Workbench(*make(), mode=mode, tf32=tf32)
+    wb.step()
+    assert _state.snapshot() == state
+    before = weights(wb.model)
+
+    def broken(out, y):
+        raise RuntimeError("loss exploded")
+
+    wb.loss_fn = broken
+    with pytest.raises(RuntimeError, match="loss exploded"):
+        wb.step()
+    assert _state.snapshot() == state
+    assert same(weights(wb.model), before) and len(wb.history) == 1
+
+
+# ----- measurements -----------------------------------------------------------------------
+
+def test_memory_follows_element_size_and_speedup_is_from_the_records():
+    wb = Workbench(*make())
+    saved = {}
+    with pytest.warns(PrecisionLossWarning):  # leaving bf16-true and 64-true after a step
+        for mode in ("bf16-true", "32-true", "64-true", "bf16-mixed"):
+            wb.set(mode=mode)
+            saved[mode] = wb.step().memory
+    assert 0 < saved["bf16-true"] < saved["32-true"] < saved["64-true"]
+    assert wb.history[-1].cuda_peak is None
+    wb.set(mode="16-true")
+    assert wb.speedup() is None  # no 16-true steps yet
+    wb.set(mode="bf16-mixed")
+    wb.run(3)
+    wb.set(mode="32-true")
+    wb.run(3)
+    wb.set(mode="bf16-mixed")
+
+    def median(mode):
+        return statistics.median(r.seconds for r in wb.history
+                                 if r.mode == mode and not r.first_after_switch)
+
+    ref, cur = median("32-true"), median("bf16-mixed")
+    assert wb.speedup() == ref / cur
+    only_bf16 = Workbench(*make(), mode="bf16-mixed")
+    only_bf16.run(2)
+    assert only_bf16.speedup() is None  # no 32-true reference measured yet
+
+
+def test_demo_model_trains():
+    from ampnb.models import demo
+
+    wb = Workbench(*demo("mlp", seed=0, n_batches=2, batch_size=32))
+    wb.set(mode="bf16-mixed")
+    records = wb.run(4)
+    assert all(r.output_dtype == torch.bfloat16 for r in records)
+    assert "bf16-mixed" in repr(wb) and "bf16-mixed" in wb._repr_html_()
+
+
+@needs_cuda
+def test_cuda_round_trip_is_lossless_and_measures_peak():
+    wb = Workbench(*make())
+    wb.run(1)
+    before = weights(wb.model)
+    wb.set(device="cuda", mode="16-true")
+    record = wb.step()
+    assert record.device.startswith("cuda") and record.cuda_peak > 0
+    wb.restore()
+    wb.run(1)
+    wb.set(device="cuda", mode="bf16-mixed")
+    wb.set(device="cpu", mode="32-true")
+    assert same(weights(wb.model), before)
