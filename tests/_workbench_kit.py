@@ -68,6 +68,7 @@ def _autocast(dtype):
 
 @contextlib.contextmanager
 def _default_dtype(dtype):
+    """Written out, not ampnb.modes.default_dtype: the reference loop uses plain torch only."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

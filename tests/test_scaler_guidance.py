@@ -13,13 +13,19 @@ from ampnb.formats import get_format
 from ampnb.scaler import GUIDANCE, ScalerStepper, diagnose, explain, explain_error
 
 
-def _torch_unscale_twice_message() -> str:
+def _scaled_backward() -> tuple[torch.amp.GradScaler, torch.optim.Optimizer]:
+    """One fp16-autocast forward and a scaled backward, written out with plain torch."""
     model, opt, loss_fn, batches = make()
     scaler = torch.amp.GradScaler("cpu")
     x, y = batches[0]
     with torch.autocast("cpu", dtype=torch.float16):
         loss = loss_fn(model(x), y)
     scaler.scale(loss).backward()
+    return scaler, opt
+
+
+def _torch_unscale_twice_message() -> str:
+    scaler, opt = _scaled_backward()
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError) as err:
         scaler.unscale_(opt)
@@ -45,12 +51,7 @@ def test_unscale_twice_shows_torchs_own_message():
 
 
 def _torch_update_without_step_message() -> str:
-    model, opt, loss_fn, batches = make()
-    scaler = torch.amp.GradScaler("cpu")
-    x, y = batches[0]
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = loss_fn(model(x), y)
-    scaler.scale(loss).backward()
+    scaler, _ = _scaled_backward()
     with pytest.raises(AssertionError) as err:
         scaler.update()
     return str(err.value)

@@ -30,7 +30,7 @@ class TensorStats:
     min_nonzero: float
     histogram: tuple[int, ...]  # counts over EXP_BINS
     coverages: tuple[Coverage, ...]
-    calls: int = 1  # how many times this tensor was seen; the stats are of the last one
+    calls: int = 1  # how many captured calls saw this tensor; the stats are of the last one
     tensor: torch.Tensor | None = None  # kept only with capture(..., keep=True)
 
     def coverage(self, fmt: str) -> Coverage:
