@@ -50,5 +50,4 @@ def _cut_points(f: FloatFormat, work: FloatFormat) -> tuple[float, float, float]
 
 _EDGES = tuple(math.ldexp(1.0, k) for k in EXP_BINS[1:-1])  # interior histogram edges
 _SHARED = (0.0, math.ldexp(1.0, -149), math.inf)  # >= these: not NaN, nonzero, nonfinite
-_INF_BITS, _F = 0x7F800000, 1 << 12
-_INF_BITS, _F = 0x7F800000, 1 << 12
+_INF_BITS = 0x7F800000  # bits of float32 inf; NaNs lie above

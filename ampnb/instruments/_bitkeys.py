@@ -1,11 +1,19 @@
-"""Coverage counts of float32 tensors from their bit patterns: one key per element, one bincount."""
+"""Coverage counts of float32 tensors from their bit patterns: one 16-bit key per element, one bincount.
+
+With b the bits of |x|, cell(x) = b >> 16 (exponent and 7 mantissa bits) and
+key(x) = 2 * cell + (low 16 bits >= split[cell]). Every cell has one split point: by default 1
+("any low bit set"), which makes "|x| > a power of two" exact (fp8 and fp16 underflow, e4m3
+overflow); where a format rounds inside a cell (fp16's 65520, bf16's half-ulps) the split is
+there. A value on neither a cell start nor its cell's split is a straggler, counted by one
+masked pass over its cell's elements, and only when that cell holds any (in practice: float32
+subnormals, and values within 0.4 % of float32's max when tf32 and bf16 are asked together).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import itertools
-import math
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -14,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from ampnb.formats import FloatFormat, get_format
-from ampnb.instruments._bins import _EDGES, _F, _INF_BITS, _SHARED, EXP_MIN, _cut_points
+from ampnb.instruments._bins import _EDGES, _INF_BITS, _SHARED, _cut_points
 
-_CHUNK = 1 << 22  # elements per pass on CPU: buffers stay small and are reused
+_CHUNK = 1 << 22        # elements per pass on CPU: buffers stay small and are reused
+_LOW = 16               # bits below the cell number
+_KEYS = 1 << 16         # 2 keys for each of the 2**15 cells of |x|'s 31 bits
 
 
 def _bits(v: float) -> int:
@@ -27,55 +37,61 @@ def _value(bits: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
-def _grid(v: float) -> int | None:
-    """k with |x| >= v <=> key(x) >= k, for float32 v >= 0 (None where v is off the key's grid).
-
-    key(x) = 2 * (bits(|x|) >> 12) + (low 12 bits != 0): thresholds of both kinds, at a
-    value with 11 mantissa bits ("|x| >= A") and one ulp above it ("|x| > A"), fall on it.
-    """
-    m, r = divmod(_bits(v), _F)
-    return 2 * m + r if r <= 1 else None
-
-
 @dataclass(frozen=True, eq=False)  # hashed by identity: one per format set (cached)
 class _Plan:
-    """The thresholds (in key space) that one set of formats needs, and how to read them."""
+    """The keys one set of formats needs, and how to read every count from them."""
 
-    thresholds: tuple[int, ...]          # sorted; class i holds keys in [t[i], t[i+1])
+    values: tuple[float, ...]            # how many |x| >= v is wanted for each of these
+    thresholds: tuple[int, ...]          # sorted keys; class i holds keys in [t[i], t[i+1])
+    cols: tuple[int, ...]                # per value: its threshold (stragglers: next cell's)
+    splits: tuple[tuple[int, int], ...]  # (cell, low bits) where the split is not 1
+    stragglers: tuple[tuple[int, tuple[int, ...]], ...]  # (cell, indices into values)
     cuts: tuple[tuple[float, ...], ...]  # per format: past underflow, normal, overflow
-    cols: dict[float, int]               # value -> index into thresholds
-    levels: tuple[int, ...]              # threshold indices of the histogram's level list
+
+    def col(self, key: int) -> int:
+        return self.thresholds.index(key)
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(fmts: tuple[FloatFormat, ...]) -> _Plan | None:
+def _plan(fmts: tuple[FloatFormat, ...]) -> _Plan:
     work = get_format(torch.float32)
     cuts = tuple(_cut_points(f, work) for f in fmts)
-    values = {*_SHARED, *(c for cs in cuts for c in cs)}
-    if any(_grid(v) is None for v in values):
-        return None  # a format with a threshold finer than the key: take the general path
-    # Histogram edges under 2**-137 are off the grid; such tiny values are counted apart.
-    edges = {e: _grid(e) if _grid(e) is not None else _grid(2.0**-137) for e in _EDGES}
-    t = sorted({_grid(v) for v in values} | set(edges.values()) | {_grid(2.0**-137)})
+    values = tuple(dict.fromkeys((*_SHARED, *(c for cs in cuts for c in cs), *_EDGES)))
+    split = {0: 1}  # cell 0 splits zeros from the rest, so zeros are always counted exactly
+    for v in values:
+        cell, low = divmod(_bits(v), 1 << _LOW)
+        if low:
+            split.setdefault(cell, low)  # first come: the formats' own order decides
+    keys, strays = [], {}
+    for i, v in enumerate(values):
+        cell, low = divmod(_bits(v), 1 << _LOW)
+        if low == 0 or split[cell] == low:
+            keys.append(2 * cell + (low != 0))
+        else:
+            keys.append(2 * cell + 2)  # the count above its cell; the masked pass adds the rest
+            strays.setdefault(cell, []).append(i)
+    t = sorted({*keys, *(k for c in strays for k in (2 * c, 2 * c + 1, 2 * c + 2))})
     index = {k: i for i, k in enumerate(t)}
-    cols = {v: index[_grid(v)] for v in values}
-    levels = (cols[_SHARED[1]], *(index[edges[e]] for e in _EDGES), cols[math.inf])
-    return _Plan(tuple(t), cuts, cols, levels)
+    return _Plan(values, tuple(t), tuple(index[k] for k in keys),
+                 tuple((c, s) for c, s in split.items() if s != 1),
+                 tuple((c, tuple(ix)) for c, ix in strays.items()), cuts)
 
 
 @functools.lru_cache(maxsize=16)
-def _lut(thresholds: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Class of every key (2**20 of them), for per-segment counting."""
-    keys = torch.arange(1 << 20, dtype=torch.int32)
-    t = torch.tensor(thresholds, dtype=torch.int32)
+def _split_table(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """Each cell's split point (int32, 2**15 entries)."""
+    table = torch.ones(_KEYS // 2, dtype=torch.int32)
+    for cell, low in plan.splits:
+        table[cell] = low
+    return table.to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _classes(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """Class of every key, for per-segment counting."""
+    keys = torch.arange(_KEYS, dtype=torch.int32)
+    t = torch.tensor(plan.thresholds, dtype=torch.int32)
     return (torch.bucketize(keys, t, right=True, out_int32=True) - 1).to(device)
-
-
-@functools.lru_cache(maxsize=64)
-def _columns(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Index tensors: histogram levels (upper, lower) and the cut columns, in plan.cols order."""
-    lev = torch.tensor(plan.levels, device=device)
-    return lev[:-1], lev[1:], torch.tensor(list(plan.cols.values()), device=device)
 
 
 _SCRATCH: dict[str, torch.Tensor] = {}
@@ -83,26 +99,56 @@ _SCRATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _buffers(n: int, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Two int32 work buffers of n elements. On CPU, up to _CHUNK elements, they are kept
+def _buffers(n: int, device: torch.device) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Three int32 work buffers of n elements. On CPU, up to _CHUNK elements, they are kept
     between calls: touching fresh memory costs more here than the passes themselves."""
     if device.type != "cpu" or n > _CHUNK or not _SCRATCH_LOCK.acquire(blocking=False):
-        yield tuple(torch.empty(n, dtype=torch.int32, device=device) for _ in range(2))
+        yield tuple(torch.empty(n, dtype=torch.int32, device=device) for _ in range(3))
         return
     try:
         if _SCRATCH.get("b") is None or _SCRATCH["b"].numel() < n:
-            _SCRATCH.update(b=torch.empty(n, dtype=torch.int32),
-                            k=torch.empty(n, dtype=torch.int32))
-        yield _SCRATCH["b"][:n], _SCRATCH["k"][:n]
+            _SCRATCH.update({k: torch.empty(n, dtype=torch.int32) for k in "bkt"})
+        yield tuple(_SCRATCH[k][:n] for k in "bkt")
     finally:
         _SCRATCH_LOCK.release()
 
 
-def _keys(b: torch.Tensor, k: torch.Tensor) -> None:
-    """k = key(x) (see _grid) from b = bits of |x|; b is left holding the low-bits flag."""
-    torch.bitwise_right_shift(b, 12, out=k)
-    b.bitwise_and_(_F - 1).clamp_(max=1)
-    torch.add(b, k, alpha=2, out=k)
+def _keys(b: torch.Tensor, k: torch.Tensor, t: torch.Tensor, splits: torch.Tensor) -> None:
+    """k = key(x) from b = bits of |x|, in place; b and t are left as scratch."""
+    torch.bitwise_right_shift(b, _LOW, out=k)
+    torch.index_select(splits, 0, k, out=t)
+    b.bitwise_and_((1 << _LOW) - 1)
+    torch.ge(b, t, out=t)
+    torch.add(t, k, alpha=2, out=k)
+
+
+def _fused_keys(xi: torch.Tensor, cells: torch.Tensor, lows: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """key(x), and the bits of amax and min |x|>0, from x's int32 view: what `kernels` compiles.
+
+    The splits come as _SLOTS (cell, low bits) pairs: a chain of compares fuses into one
+    vectorized loop, where a gather from the 2**15-entry table would not.
+    """
+    b = xi & 0x7FFFFFFF
+    cell, low = b >> _LOW, b & ((1 << _LOW) - 1)
+    split = low >= 1
+    for i in range(_SLOTS):
+        split = torch.where(cell == cells[i], low >= lows[i], split)
+    return cell * 2 + split.to(torch.int32), _finite_max(b).amax(), _nonzero_min(b).amin()
+
+
+_SLOTS = 4  # splits the compiled kernel takes (registered formats need at most 4: fp16 + bf16)
+
+
+@functools.lru_cache(maxsize=16)
+def _split_slots(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The plan's splits padded to _SLOTS (cell -1 matches nothing), or None if they do not fit."""
+    if len(plan.splits) > _SLOTS:
+        return None
+    pad = [(-1, 1)] * (_SLOTS - len(plan.splits))
+    cells, lows = zip(*plan.splits, *pad)
+    return (torch.tensor(cells, dtype=torch.int32, device=device),
+            torch.tensor(lows, dtype=torch.int32, device=device))
 
 
 def _finite_max(b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,30 +163,43 @@ def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 def _one_segment(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, list[int]]:
     """Counts of key >= each threshold, and the (amax, min |x|>0) bits, of one flat tensor."""
+    from ampnb.instruments.kernels import _compiled_keys
+
     n = x.numel()
     size = n if x.is_cuda else min(n, _CHUNK)
-    with _buffers(size, x.device) as (b, k):
-        table, hi, lo = _count_chunks(x, b, k)
+    fused = _compiled_keys(x.device)
+    slots = _split_slots(plan, x.device) if fused is not None else None
+    with _buffers(size, x.device) as bufs:
+        table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device),
+                                      (fused, slots) if slots is not None else None)
     below = torch.cat([table.new_zeros(1), table.cumsum(0)])  # below[k] = how many keys < k
     ge = n - below[torch.tensor(plan.thresholds, device=x.device)]
     return ge[None], [hi, lo]
 
 
-def _count_chunks(x: torch.Tensor, b: torch.Tensor, k: torch.Tensor
-                  ) -> tuple[torch.Tensor, int, int]:
-    """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0."""
+def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor,
+                  fused: tuple | None = None) -> tuple[torch.Tensor, int, int]:
+    """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0.
+
+    fused: (compiled _fused_keys, its split slots), used on whole chunks only: one shape, one
+    compilation."""
+    b, k, t = bufs
     n, size = x.numel(), b.numel()
     table, hi, lo = None, -1, _INF_BITS
     for s in range(0, n, size):
         part = x[s:s + size]
-        bb, kk = b[:part.numel()], k[:part.numel()]
-        torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bb)
-        cmin, cmax = (int(v) for v in torch.aminmax(bb))
-        # Exact extremes cost a masked pass only where zeros or inf/NaN are present.
-        hi = max(hi, cmax if cmax < _INF_BITS else int(_finite_max(bb, kk).amax()))
-        lo = min(lo, cmin if cmin > 0 else int(_nonzero_min(bb, kk).amin()))
-        _keys(bb, kk)
-        counts = torch.bincount(kk, minlength=1 << 20)
+        if fused is not None and part.numel() == _CHUNK:
+            kk, cmax, cmin = fused[0](part.view(torch.int32), *fused[1])
+            hi, lo = max(hi, int(cmax)), min(lo, int(cmin))
+        else:
+            bb, kk, tt = b[:part.numel()], k[:part.numel()], t[:part.numel()]
+            torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bb)
+            cmin, cmax = (int(v) for v in torch.aminmax(bb))
+            # Exact extremes cost a masked pass only where zeros or inf/NaN are present.
+            hi = max(hi, cmax if cmax < _INF_BITS else int(_finite_max(bb, kk).amax()))
+            lo = min(lo, cmin if cmin > 0 else int(_nonzero_min(bb, kk).amin()))
+            _keys(bb, kk, tt, splits)
+        counts = torch.bincount(kk, minlength=_KEYS)
         table = counts if table is None else table.add_(counts)
     return table, hi, lo
 
@@ -150,7 +209,7 @@ def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
     """The same for each segment of a flat tensor: keys mapped to classes, counted per segment."""
     nseg, nc, dev = len(lengths), len(plan.thresholds), x.device
     starts = list(itertools.accumulate([0, *lengths]))
-    with _buffers(x.numel(), dev) as (b, k):
+    with _buffers(x.numel(), dev) as (b, k, t):
         torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
         # Per segment (max, min) of |x|'s bits; redone masked where zeros or inf/NaN spoil them.
         ext = torch.stack([v for s, e in zip(starts, starts[1:])
@@ -160,20 +219,47 @@ def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
                 part = b[starts[i]:starts[i + 1]]
                 ext[2 * i] = int(_finite_max(part).amax())
                 ext[2 * i + 1] = int(_nonzero_min(part).amin())
-        _keys(b, k)
-        torch.index_select(_lut(plan.thresholds, dev), 0, k, out=b)  # b: each element's class
+        _keys(b, k, t, _split_table(plan, dev))
+        torch.index_select(_classes(plan, dev), 0, k, out=b)  # b: each element's class
         # One bincount per segment: cheaper than building per-element segment offsets.
         cls = torch.stack([torch.bincount(b[s:e], minlength=nc)
                            for s, e in zip(starts, starts[1:])])
     return cls.flip(1).cumsum(1).flip(1), ext
 
 
-def _tiny_histograms(x: torch.Tensor, lengths: Sequence[int]) -> list[list[int]]:
-    """Exact floor(log2|x|) counts (bins 0..12) of subnormals under 2**-137, per segment."""
-    out = []
-    for s, n in zip(itertools.accumulate([0, *lengths]), lengths):
-        a = x[s:s + n].abs()
-        tiny = a[(a > 0) & (a < 2.0**-137)]
-        e = torch.frexp(tiny)[1].long() - 1 - EXP_MIN
-        out.append(torch.bincount(e, minlength=13).tolist())
-    return out
+def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torch.Tensor
+                  ) -> torch.Tensor:
+    """How many |x| >= v for every value of the plan, per segment: key counts, plus one masked
+    pass over a straggler's cell in the segments that have elements there."""
+    g = ge[:, torch.tensor(plan.cols, device=ge.device)]
+    if not plan.stragglers:
+        return g
+    starts = list(itertools.accumulate([0, *lengths]))
+    held = torch.stack([ge[:, plan.col(_first_key(plan, c, ix))] - ge[:, plan.col(2 * c + 2)]
+                        for c, ix in plan.stragglers], dim=1).tolist()
+    for j, (cell, idx) in enumerate(plan.stragglers):
+        idx = sorted(idx, key=lambda i: plan.values[i])
+        bounds = torch.tensor([_bits(plan.values[i]) for i in idx], dtype=torch.int32,
+                              device=x.device)
+        for s in (s for s in range(len(lengths)) if held[s][j]):
+            b = x[starts[s]:starts[s + 1]].view(torch.int32) & 0x7FFFFFFF
+            inside = b[(b >> _LOW) == cell]
+            below = torch.bucketize(inside, bounds, right=True)  # how many bounds are <= b
+            per = torch.bincount(below, minlength=len(idx) + 1)
+            g[s, idx] += per.flip(0).cumsum(0).flip(0)[1:]  # how many b >= each bound
+    return g
+
+
+def _first_key(plan: _Plan, cell: int, idx: Sequence[int]) -> int:
+    """The lowest key of a cell that can hold elements at or above one of its stragglers."""
+    split = dict(plan.splits).get(cell, 1)
+    low = min(_bits(plan.values[i]) & ((1 << _LOW) - 1) for i in idx)
+    return 2 * cell + (low >= split)  # in cell 0, say, zeros never need the masked pass
+
+
+@functools.lru_cache(maxsize=64)
+def _levels(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices into plan.values of each histogram bin's lower and upper edge."""
+    at = {v: i for i, v in enumerate(plan.values)}
+    lev = torch.tensor([at[_SHARED[1]], *(at[e] for e in _EDGES), at[_SHARED[2]]], device=device)
+    return lev[:-1], lev[1:]

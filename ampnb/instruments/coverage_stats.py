@@ -23,12 +23,12 @@ from ampnb.instruments._bins import (  # noqa: F401
     _cut_points,
 )
 from ampnb.instruments._bitkeys import (
-    _columns,
+    _levels,
     _many_segments,
     _one_segment,
     _plan,
-    _tiny_histograms,
     _value,
+    _value_counts,
 )
 
 
@@ -87,35 +87,29 @@ def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[
                   ) -> list[tuple[dict[str, Coverage], list[int]]]:
     """Coverage in every format and the exponent histogram of each segment of a flat tensor.
 
-    Every count is "how many |x| >= b". For float32 they come from the bit pattern: one key
-    per element that every threshold falls on, one bincount, on the tensor's own device; only
-    small count tables come back to the host. float64 and unusual formats take a bucketize.
+    Every count is "how many |x| >= b". For float32 they come from the bit pattern: a 16-bit
+    key per element, one bincount, on the tensor's own device (see _bitkeys); only small
+    count tables come back to the host. float64 takes a bucketize.
     """
     fmts = tuple(get_format(f) for f in formats)
-    plan = _plan(fmts) if flat.dtype == torch.float32 and all(lengths) else None
-    if plan is None:
+    if flat.dtype != torch.float32 or not all(lengths):
         return _bucketize_stats(flat, lengths, fmts)
+    plan = _plan(fmts)
     if len(lengths) == 1:
         ge, ext = _one_segment(flat, plan)
     else:
         ge, ext = _many_segments(flat, lengths, plan)
-    cols = list(plan.cols)
-    lo, hi, pick = _columns(plan, ge.device)
-    rows = torch.cat([ge[:, pick], ge[:, lo] - ge[:, hi]], dim=1).tolist()
-    tiny_segs = [i for i, r in enumerate(rows) if r[len(cols) + 1] > 0]  # bin 1: < 2**-137
-    tiny = dict(zip(tiny_segs, _tiny_histograms(
-        flat, [lengths[i] for i in tiny_segs]))) if tiny_segs else {}
-    out = []
+    g = _value_counts(flat, lengths, plan, ge)
+    lo, hi = _levels(plan, g.device)
+    rows = torch.cat([g, g[:, lo] - g[:, hi]], dim=1).tolist()
+    nv, out = len(plan.values), []
     for i, (n, row) in enumerate(zip(lengths, rows)):
-        g = dict(zip(cols, row))
-        hist_i = row[len(cols):]
-        if i in tiny:  # the table put every subnormal under 2**-137 into bin 2**-149
-            hist_i[1] -= sum(tiny[i])
-            hist_i[:13] = [h + t for h, t in zip(hist_i[:13], tiny[i])]
-        hi, lo = ext[2 * i], ext[2 * i + 1]
-        out.append((_coverages(fmts, plan.cuts, g, n, _value(hi) if hi >= 0 else 0.0,
-                               _value(lo) if lo < _INF_BITS else math.inf,
-                               *(g[v] for v in _SHARED)), hist_i))
+        counts = dict(zip(plan.values, row[:nv]))
+        hi_bits, lo_bits = ext[2 * i], ext[2 * i + 1]
+        out.append((_coverages(fmts, plan.cuts, counts, n,
+                               _value(hi_bits) if hi_bits >= 0 else 0.0,
+                               _value(lo_bits) if lo_bits < _INF_BITS else math.inf,
+                               *(counts[v] for v in _SHARED)), row[nv:]))
     return out
 
 
