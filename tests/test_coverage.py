@@ -235,3 +235,22 @@ def test_formats_rounding_inside_one_cell_count_exactly():
     many = coverage_many(x, ["bf16", "tf32", "fp16"])
     for name in ("bf16", "tf32", "fp16"):
         assert counts_of(many[name]) == reference_counts(x.tolist(), get_format(name))
+
+
+def test_large_chunks_counted_on_two_threads_agree_with_the_general_path(monkeypatch):
+    """Keys of a large chunk are counted half on a worker thread; the sum must be exact."""
+    from ampnb.instruments import _bitkeys
+    from ampnb.instruments import coverage_stats as cs
+    g = torch.Generator().manual_seed(11)
+    n = (1 << 21) + 5
+    x = torch.randn(n, generator=g) * torch.exp2(torch.empty(n).uniform_(-30, 20, generator=g))
+    fmts = tuple(get_format(f) for f in ("fp16", "bf16", "fp8_e4m3"))
+    monkeypatch.setattr(_bitkeys, "_POOL", [])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fast = cs.segment_stats(x, [n], fmts)
+    finally:
+        torch.set_num_threads(before)
+    assert _bitkeys._POOL  # the worker thread took part
+    assert fast == cs._bucketize_stats(x, [n], fmts)

@@ -199,9 +199,25 @@ def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.T
             hi = max(hi, cmax if cmax < _INF_BITS else int(_finite_max(bb, kk).amax()))
             lo = min(lo, cmin if cmin > 0 else int(_nonzero_min(bb, kk).amin()))
             _keys(bb, kk, tt, splits)
-        counts = torch.bincount(kk, minlength=_KEYS)
+        counts = _bincount(kk)
         table = counts if table is None else table.add_(counts)
     return table, hi, lo
+
+
+_POOL: list = []  # one worker thread, made on first use
+
+
+def _bincount(k: torch.Tensor) -> torch.Tensor:
+    """bincount of keys. torch's CPU bincount is one serial loop: with more than one torch
+    thread, half of a large chunk is counted on a second thread meanwhile."""
+    if k.is_cuda or k.numel() < 1 << 20 or torch.get_num_threads() < 2:
+        return torch.bincount(k, minlength=_KEYS)
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="ampnb-bincount"))
+    half = k.numel() // 2
+    other = _POOL[0].submit(torch.bincount, k[half:], minlength=_KEYS)
+    return torch.bincount(k[:half], minlength=_KEYS).add_(other.result())
 
 
 def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
