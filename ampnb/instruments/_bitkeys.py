@@ -42,6 +42,7 @@ class _Plan:
     """The keys one set of formats needs, and how to read every count from them."""
 
     values: tuple[float, ...]            # how many |x| >= v is wanted for each of these
+    head: int                            # values[:head]: the shared ones and the formats' cuts
     thresholds: tuple[int, ...]          # sorted keys; class i holds keys in [t[i], t[i+1])
     cols: tuple[int, ...]                # per value: its threshold (stragglers: next cell's)
     splits: tuple[tuple[int, int], ...]  # (cell, low bits) where the split is not 1
@@ -56,7 +57,8 @@ class _Plan:
 def _plan(fmts: tuple[FloatFormat, ...]) -> _Plan:
     work = get_format(torch.float32)
     cuts = tuple(_cut_points(f, work) for f in fmts)
-    values = tuple(dict.fromkeys((*_SHARED, *(c for cs in cuts for c in cs), *_EDGES)))
+    head = tuple(dict.fromkeys((*_SHARED, *(c for cs in cuts for c in cs))))
+    values = (*head, *(e for e in _EDGES if e not in head))
     split = {0: 1}  # cell 0 splits zeros from the rest, so zeros are always counted exactly
     for v in values:
         cell, low = divmod(_bits(v), 1 << _LOW)
@@ -72,7 +74,7 @@ def _plan(fmts: tuple[FloatFormat, ...]) -> _Plan:
             strays.setdefault(cell, []).append(i)
     t = sorted({*keys, *(k for c in strays for k in (2 * c, 2 * c + 1, 2 * c + 2))})
     index = {k: i for i, k in enumerate(t)}
-    return _Plan(values, tuple(t), tuple(index[k] for k in keys),
+    return _Plan(values, len(head), tuple(t), tuple(index[k] for k in keys),
                  tuple((c, s) for c, s in split.items() if s != 1),
                  tuple((c, tuple(ix)) for c, ix in strays.items()), cuts)
 

@@ -101,10 +101,10 @@ def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[
         ge, ext = _many_segments(flat, lengths, plan)
     g = _value_counts(flat, lengths, plan, ge)
     lo, hi = _levels(plan, g.device)
-    rows = torch.cat([g, g[:, lo] - g[:, hi]], dim=1).tolist()
-    nv, out = len(plan.values), []
+    nv, out = plan.head, []  # the edges' counts are only needed as histogram differences
+    rows = torch.cat([g[:, :nv], g[:, lo] - g[:, hi]], dim=1).tolist()
     for i, (n, row) in enumerate(zip(lengths, rows)):
-        counts = dict(zip(plan.values, row[:nv]))
+        counts = dict(zip(plan.values[:nv], row[:nv]))
         hi_bits, lo_bits = ext[2 * i], ext[2 * i + 1]
         out.append((_coverages(fmts, plan.cuts, counts, n,
                                _value(hi_bits) if hi_bits >= 0 else 0.0,
