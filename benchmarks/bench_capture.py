@@ -59,7 +59,7 @@ def _one(name: str, device: str) -> list[Result]:
         t = interleaved_medians({"plain": step, "capture": captured, "trace": traced},
                                 repeat=15, warmup=3, device=device, clock=clock)
         tl = interleaved_medians({"loop": loop, "loop+capture": loop_captured},
-                                 repeat=9, warmup=1, device=device, clock=clock)
+                                 repeat=15, warmup=1, device=device, clock=clock)
     where = f"{device}, 1 thread" if cpu else device
     label = f"demo {name}, {d.n_params} params, {where}"
     per = tl["loop+capture"] / tl["loop"]
