@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -245,12 +246,13 @@ def test_large_chunks_counted_on_two_threads_agree_with_the_general_path(monkeyp
     n = (1 << 21) + 5
     x = torch.randn(n, generator=g) * torch.exp2(torch.empty(n).uniform_(-30, 20, generator=g))
     fmts = tuple(get_format(f) for f in ("fp16", "bf16", "fp8_e4m3"))
-    monkeypatch.setattr(_bitkeys, "_POOL", [])
+    monkeypatch.setattr(_bitkeys, "_POOL", {})
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         fast = cs.segment_stats(x, [n], fmts)
     finally:
         torch.set_num_threads(before)
-    assert _bitkeys._POOL  # the worker thread took part
+    assert list(_bitkeys._POOL) == [os.getpid()]  # the worker thread took part
     assert fast == cs._bucketize_stats(x, [n], fmts)
+

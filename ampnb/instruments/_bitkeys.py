@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import struct
 import threading
 from collections.abc import Iterator, Sequence
@@ -206,7 +207,9 @@ def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.T
     return table, hi, lo
 
 
-_POOL: list = []  # one worker thread, made on first use
+# One worker thread per process, made on first use (a forked child gets its own: the
+# parent's thread does not exist there).
+_POOL: dict[int, object] = {}
 
 
 def _bincount(k: torch.Tensor) -> torch.Tensor:
@@ -214,11 +217,12 @@ def _bincount(k: torch.Tensor) -> torch.Tensor:
     thread, half of a large chunk is counted on a second thread meanwhile."""
     if k.is_cuda or k.numel() < 1 << 20 or torch.get_num_threads() < 2:
         return torch.bincount(k, minlength=_KEYS)
-    if not _POOL:
+    pool = _POOL.get(os.getpid())
+    if pool is None:
         from concurrent.futures import ThreadPoolExecutor
-        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="ampnb-bincount"))
+        pool = _POOL.setdefault(os.getpid(), ThreadPoolExecutor(1, "ampnb-bincount"))
     half = k.numel() // 2
-    other = _POOL[0].submit(torch.bincount, k[half:], minlength=_KEYS)
+    other = pool.submit(torch.bincount, k[half:], minlength=_KEYS)
     return torch.bincount(k[:half], minlength=_KEYS).add_(other.result())
 
 
