@@ -17,13 +17,14 @@ import itertools
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ampnb.formats import FloatFormat, get_format
 from ampnb.instruments._bins import _EDGES, _INF_BITS, _SHARED, _cut_points
+from ampnb.instruments.kernels import _compiled_keys
 
 _CHUNK = 1 << 22        # elements per pass on CPU: buffers stay small and are reused
 _LOW = 16               # bits below the cell number
@@ -166,33 +167,31 @@ def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 def _one_segment(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, list[int]]:
     """Counts of key >= each threshold, and the (amax, min |x|>0) bits, of one flat tensor."""
-    from ampnb.instruments.kernels import _compiled_keys
-
     n = x.numel()
     size = n if x.is_cuda else min(n, _CHUNK)
-    fused = _compiled_keys(x.device)
-    slots = _split_slots(plan, x.device) if fused is not None else None
+    compiled = _compiled_keys(x.device)
+    slots = _split_slots(plan, x.device) if compiled is not None else None
+    fused = functools.partial(compiled, cells=slots[0], lows=slots[1]) if slots else None
     with _buffers(size, x.device) as bufs:
-        table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device),
-                                      (fused, slots) if slots is not None else None)
+        table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device), fused)
     below = torch.cat([table.new_zeros(1), table.cumsum(0)])  # below[k] = how many keys < k
     ge = n - below[torch.tensor(plan.thresholds, device=x.device)]
     return ge[None], [hi, lo]
 
 
 def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor,
-                  fused: tuple | None = None) -> tuple[torch.Tensor, int, int]:
+                  fused: Callable | None = None) -> tuple[torch.Tensor, int, int]:
     """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0.
 
-    fused: (compiled _fused_keys, its split slots), used on whole chunks only: one shape, one
-    compilation."""
+    fused: the compiled _fused_keys with its split slots bound, used on whole chunks only (one
+    shape, one compilation)."""
     b, k, t = bufs
     n, size = x.numel(), b.numel()
     table, hi, lo = None, -1, _INF_BITS
     for s in range(0, n, size):
         part = x[s:s + size]
         if fused is not None and part.numel() == _CHUNK:
-            kk, cmax, cmin = fused[0](part.view(torch.int32), *fused[1])
+            kk, cmax, cmin = fused(part.view(torch.int32))
             hi, lo = max(hi, int(cmax)), min(lo, int(cmin))
         else:
             bb, kk, tt = b[:part.numel()], k[:part.numel()], t[:part.numel()]
