@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb._tf32_flags import tf32
 from ampnb.formats import get_format
 

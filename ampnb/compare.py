@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb._tf32 import TF32_SETTINGS, tf32_context
 from ampnb.device import sync, tf32_state
 from ampnb.modes import get_mode

@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from ampnb._html import Table
+from ampnb.display import Table
 
 
 class Encoding(str, Enum):

@@ -127,7 +127,7 @@ class PrecisionMode:
         return f"<PrecisionMode {self.name!r}>"
 
     def _repr_html_(self) -> str:
-        from ampnb._html import Table
+        from ampnb.display import Table
 
         rows = [
             ("autocast dtype", _dtype_name(self.autocast_dtype)),

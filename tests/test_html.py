@@ -1,6 +1,6 @@
 """The shared Table renders deterministically and escapes what it shows."""
 
-from ampnb._html import Table
+from ampnb.display import Table
 
 
 def test_text_is_aligned_and_stable():

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.fp8.convert import Fp8Report, convert_to_fp8
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 from ampnb.fp8.stats import Fp8Stats

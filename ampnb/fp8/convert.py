@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.fp8.linear import MATMULS, Fp8Linear
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.fp8.lowbit import LowBitFormat, get_lowbit, roundtrip
 from ampnb.fp8.scaling import sqnr
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.fp8.linear import Fp8Linear, Role
 from ampnb.fp8.scaling import fp8_fractions, sqnr
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.formats import FloatFormat, get_format
 
 # EXP_* and _cut_points are imported from here by plots, benchmarks and tests.

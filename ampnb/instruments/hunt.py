@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.formats import get_format
 from ampnb.instruments.trace import OpWatch, internal, is_internal, tensors_in
 

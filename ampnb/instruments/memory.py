@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.modes import get_mode
 
 DEFAULT_MODES = ("32-true", "bf16-mixed", "bf16-true")

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.formats import get_format
 from ampnb.instruments.summaries import (
     DEFAULT_FORMATS,

@@ -35,7 +35,7 @@ from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ampnb._html import Table
+from ampnb.display import Table
 
 CATEGORIES = ("lowered", "kept", "promoted", "cast", "other")
 _NODE_KEY = "ampnb_module"  # key in autograd Node.metadata: the module that made the node

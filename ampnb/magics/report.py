@@ -6,7 +6,7 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.compare import Comparison, format_seconds
 from ampnb.magics.cell import Made
 

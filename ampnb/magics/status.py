@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ampnb._html import Table
+from ampnb.display import Table
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from ampnb._html import Table
+from ampnb.display import Table
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.scaler.batches import BatchCycle
 from ampnb.scaler.records import StageRecord, StepRecord, history_table
 from ampnb.scaler.settings import ScalerSettings
@@ -194,7 +194,7 @@ class ScalerStepper:
         ]
 
     def table(self, last: int | None = None) -> Table:
-        """The history as a table (`ampnb._html.Table`)."""
+        """The history as a table (`ampnb.display.Table`)."""
         return history_table(self.history, last)
 
     # ----- fault injection ----------------------------------------------------------------

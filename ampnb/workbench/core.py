@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._html import Table
+from ampnb.display import Table
 from ampnb.device import get_device, sync
 from ampnb.device import tf32 as tf32_switch  # `tf32` is also a parameter and property here
 from ampnb.modes import PrecisionMode, get_mode

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ampnb._html import Table
+from ampnb.display import Table
 
 # trace category -> what the row says to a learner, in the order the rows are shown.
 CATEGORY_LABELS = {

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb._html import Table
+from ampnb.display import Table
 
 REFERENCE_MODE = "32-true"
 

@@ -1,4 +1,4 @@
-"""A small deterministic table: HTML for Jupyter, aligned text for nbval and terminals."""
+"""The one display module: Table, the mixin that renders results from table(), formatters."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import html
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -42,3 +44,45 @@ class Table:
         return "\n".join(lines)
 
     __str__ = __repr__
+
+
+class TableView:
+    """Mixin: a result with a `table()` shows that table in Jupyter and as its repr."""
+
+    def table(self) -> Table:
+        raise NotImplementedError
+
+    def _repr_html_(self) -> str:
+        return self.table()._repr_html_()
+
+    def __repr__(self) -> str:
+        return repr(self.table())
+
+
+def format_bytes(n: int | float | None) -> str:
+    """1536 -> '1.5 KiB'; exact bytes below 1 KiB; None -> '-'."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_seconds(seconds: float | None) -> str:
+    """0.0123 -> '12.3 ms'; 2.5 -> '2.5 s'; None -> '-'."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def format_percent(fraction: float) -> str:
+    """0.0123 -> '1.23%'; exact 0 -> '0'; tiny but nonzero -> '<0.001%'."""
+    if fraction == 0:
+        return "0"
+    return f"{100 * fraction:.3g}%" if fraction >= 1e-5 else "<0.001%"
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """torch.bfloat16 -> 'bfloat16'; None -> '-'."""
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")

@@ -1,0 +1,15 @@
+"""Fixtures of the zoo: one fresh model per test (cheap: each builds in well under a second)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from zoo_models import BUILDERS, Case  # noqa: E402
+
+
+@pytest.fixture(params=sorted(BUILDERS))
+def case(request: pytest.FixtureRequest) -> Case:
+    """Every zoo model in turn."""
+    return BUILDERS[request.param]()
