@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb.display import Table
 from ampnb._tf32_flags import tf32
+from ampnb.display import Table
 from ampnb.formats import get_format
 
 _MEASURABLE = ("fp64", "fp32", "tf32", "bf16", "fp16")

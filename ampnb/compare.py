@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ampnb.display import Table
 from ampnb._tf32 import TF32_SETTINGS, tf32_context
 from ampnb.device import sync, tf32_state
+from ampnb.display import Table
 from ampnb.modes import get_mode
 
 REFERENCE = "32-true"

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb.display import Table
 from ampnb._matmul_speed import Throughput, matmul_throughput, throughput_table
 from ampnb._tf32_flags import TF32State, restore_tf32, set_tf32, tf32, tf32_state
+from ampnb.display import Table
 from ampnb.formats import FORMATS, FloatFormat, get_format
 
 __all__ = ["DeviceInfo", "Support", "TF32State", "Throughput", "devices", "get_device",

@@ -6,8 +6,8 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampnb.display import Table
 from ampnb.compare import Comparison, format_seconds
+from ampnb.display import Table
 from ampnb.magics.cell import Made
 
 

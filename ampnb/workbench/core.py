@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.display import Table
 from ampnb.device import get_device, sync
 from ampnb.device import tf32 as tf32_switch  # `tf32` is also a parameter and property here
+from ampnb.display import Table
 from ampnb.modes import PrecisionMode, get_mode
 from ampnb.workbench.records import StepRecord, history_table, speedup
 from ampnb.workbench.state import (
