@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ampnb-installed
 
-.PHONY: lab test unit notebooks browser lint bench clean
+.PHONY: lab test unit notebooks browser lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ browser: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+# Every CUDA-only test and the GPU benchmarks, report in artifacts/gpu-check.md (exits 0 without CUDA).
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache
