@@ -76,6 +76,23 @@ def test_missing_cuda_names_it_and_lists_what_is_there():
         get_device(torch.device("cuda:1"))
 
 
+@pytest.mark.parametrize("bad", ["cpu:5", "cpu:1", torch.device("cpu", 3)])
+def test_a_cpu_index_other_than_0_is_refused_naming_the_devices(bad):
+    names = ", ".join(d.name for d in devices())
+    with pytest.raises(ValueError) as err:
+        get_device(bad)
+    assert str(err.value) == f"device {str(bad)!r} is not available on this machine; available: {names}"
+
+
+def test_the_magics_device_option_refuses_cpu_1_too():
+    pytest.importorskip("IPython")
+    from ampnb.magics.runs import device_name
+
+    with pytest.raises(ValueError, match="device 'cpu:1' is not available on this machine"):
+        device_name("cpu:1")
+    assert device_name("cpu:0") == "cpu"
+
+
 @pytest.mark.parametrize("bad", ["gpu", "cuda:x", "", None, 3.5])
 def test_unknown_device_is_a_one_line_value_error(bad):
     with pytest.raises(ValueError, match="available: cpu") as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ampnb.device import cpu as cpu_module
 from ampnb.device import (
     cpu_features,
     cpu_features_as,
@@ -13,7 +14,6 @@ from ampnb.device import (
     support,
     support_table,
 )
-from ampnb.device import cpu as cpu_module
 from ampnb.formats import FORMATS
 from ampnb.modes import MODES, get_mode
 
