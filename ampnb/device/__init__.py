@@ -1,12 +1,12 @@
 """Devices and what each can do (support), the TF32 switch and setting, measured throughput.
 
-Parts import downwards only: cpu <- support <- tf32 <- throughput.
+Parts import downwards only: cpu <- hardware (devices, support) <- tf32_switch <- throughput.
 """
 
 from __future__ import annotations
 
 from ampnb.device.cpu import cpu_features, cpu_features_as
-from ampnb.device.support import (
+from ampnb.device.hardware import (
     DeviceInfo,
     Support,
     devices,
@@ -15,7 +15,7 @@ from ampnb.device.support import (
     support_table,
     sync,
 )
-from ampnb.device.tf32 import (
+from ampnb.device.tf32_switch import (
     TF32_ALLOWED,
     TF32Setting,
     TF32State,

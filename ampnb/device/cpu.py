@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import platform
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
@@ -51,14 +50,17 @@ def cpu_features() -> frozenset[str]:
     return _override[-1] if _override else detected_features()
 
 
-@contextlib.contextmanager
-def cpu_features_as(flags: Iterable[str]) -> Iterator[frozenset[str]]:
+def _inject(flags: frozenset[str]) -> frozenset[str]:
+    _override.append(flags)
+    return flags
+
+
+def cpu_features_as(flags: Iterable[str]) -> Guard:
     """Decide support as if the CPU had exactly these ISA flags (tests; 'what if' tables)."""
     if isinstance(flags, str):
         raise ValueError(f"cpu_features_as takes an iterable of flag names, got the string {flags!r}")
     injected = frozenset(flags)
-    with Guard(lambda: _override.append(injected), lambda _: _override.pop()):
-        yield injected
+    return Guard(lambda: _inject(injected), lambda _: _override.pop())
 
 
 def cpu_native(fmt_name: str) -> bool:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb.device.support import devices, get_device, support, sync
-from ampnb.device.tf32 import tf32
+from ampnb.device.hardware import devices, get_device, support, sync
+from ampnb.device.tf32_switch import tf32
 from ampnb.display import Table
 from ampnb.formats import get_format
 

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampnb._interrupt import Guard, deferred
-from ampnb.device.support import AMPERE_CC, DeviceInfo, get_device
+from ampnb.device.hardware import AMPERE_CC, DeviceInfo, get_device
 from ampnb.formats import quantize
 
 
@@ -167,12 +168,38 @@ def set_tf32(enabled: bool) -> TF32State:
     return Guard(lambda: _switch(enabled), restore_tf32).__enter__()
 
 
-@contextlib.contextmanager
-def tf32(enabled: bool) -> Iterator[TF32State]:
-    """TF32 on or off for the body; every flag is restored afterwards, also on error or interrupt."""
+def _switch_guard(enabled: bool, then: Callable[[], Any] = lambda: None,
+                  undo: Callable[[Any], None] = lambda _: None) -> Guard:
+    """Switch TF32, then enter `then`; the `as` value is then()'s; exit undoes both, whole.
+
+    A Guard (not a generator) so that no line of ours runs between the body and the restore.
+    """
+    saved: list[tuple[TF32State, Any]] = []
+
+    def enter() -> Any:
+        previous = _switch(enabled)
+        try:
+            entered = then()
+        except BaseException:
+            restore_tf32(previous)
+            raise
+        saved.append((previous, entered))
+        return entered
+
+    def exit(_: object) -> None:
+        previous, entered = saved.pop()
+        try:
+            undo(entered)
+        finally:
+            restore_tf32(previous)
+
+    return Guard(enter, exit)
+
+
+def tf32(enabled: bool) -> Guard:
+    """TF32 on or off for the body (`as`: the state inside); restored after, also on error or interrupt."""
     _check_enabled(enabled)
-    with Guard(lambda: _switch(enabled), restore_tf32):
-        yield tf32_state()
+    return _switch_guard(enabled, tf32_state)
 
 
 def tf32_effect(device: str | torch.device | DeviceInfo = "cpu") -> str:
@@ -241,21 +268,17 @@ def _pop(mode: TorchDispatchMode) -> None:
     mode.__exit__(None, None, None)
 
 
-@contextlib.contextmanager
 def tf32_context(setting: object,
-                 device: str | torch.device = "cpu") -> Iterator[TF32Emulation | None]:
+                 device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
     """Apply a TF32 setting (see `tf32_setting`; None = as is) for the body; restore it.
 
-    Yields the emulation (it counts the ops it rounded) for 'emulate', else None.
+    The `as` value is the emulation (it counts the ops it rounded) for 'emulate', else None.
     """
     chosen = tf32_setting(setting)
     if chosen is None:
-        yield None
-        return
-    # Real TF32 under the emulation would round twice, so emulation runs with TF32 off.
-    with tf32(chosen is TF32Setting.on):
-        if chosen is TF32Setting.emulate:
-            with Guard(lambda: _push(TF32Emulation()), _pop) as emulation:
-                yield emulation
-        else:
-            yield None
+        return contextlib.nullcontext()
+    if chosen is TF32Setting.emulate:
+        # Real TF32 under the emulation would round twice, so emulation runs with TF32 off.
+        return _switch_guard(False, lambda: TF32Emulation().__enter__(),
+                             lambda mode: mode.__exit__(None, None, None))
+    return _switch_guard(chosen is TF32Setting.on)
