@@ -96,10 +96,10 @@ PUBLIC = {"FloatFormat", "FORMATS", "get_format", "quantize", "PrecisionMode", "
 
 
 def test_every_public_name_is_listed_and_resolves():
-    found = run_fresh(f"""
+    found = run_fresh("""
         import ampnb, json, types
-        kinds = {{n: type(getattr(ampnb, n)).__name__ for n in ampnb.__all__}}
-        print(json.dumps({{"all": ampnb.__all__, "dir": dir(ampnb), "kinds": kinds}}))
+        kinds = {n: type(getattr(ampnb, n)).__name__ for n in ampnb.__all__}
+        print(json.dumps({"all": ampnb.__all__, "dir": dir(ampnb), "kinds": kinds}))
     """)
     assert PUBLIC <= set(found["all"]) and found["dir"] == found["all"]
     submodules = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8"}
