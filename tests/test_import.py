@@ -97,7 +97,7 @@ PUBLIC = {"FloatFormat", "FORMATS", "get_format", "quantize", "PrecisionMode", "
 
 def test_every_public_name_is_listed_and_resolves():
     found = run_fresh("""
-        import ampnb, json, types
+        import ampnb, json
         kinds = {n: type(getattr(ampnb, n)).__name__ for n in ampnb.__all__}
         print(json.dumps({"all": ampnb.__all__, "dir": dir(ampnb), "kinds": kinds}))
     """)
