@@ -65,6 +65,7 @@ def test_the_table_follows_the_features(cpu):
         fmt = "bf16" if name.startswith("bf16") else "fp16"
         assert (rows[name] == "yes (native)") == cpu[fmt], name
     assert rows["transformer-engine"].startswith("yes (emulated")
+    assert any("(injected, not this CPU's)" in note for note in table.notes)
 
 
 def test_throughput_size_follows_the_features_and_its_cache_too(cpu):
@@ -83,6 +84,7 @@ def test_injection_is_undone_after_the_block_and_on_error():
         assert support("bf16", "cpu").native
         raise KeyError("user code")
     assert cpu_features() == detected
+    assert not any("injected" in note for note in support_table().notes)
 
 
 def test_a_string_of_flags_is_refused():

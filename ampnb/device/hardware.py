@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb.device.cpu import cpu_model, cpu_native
+from ampnb.device.cpu import cpu_features, cpu_model, cpu_native, detected_features
 from ampnb.display import Table
 from ampnb.formats import FORMATS, FloatFormat, get_format
 from ampnb.modes import MODES, PrecisionMode, get_mode
@@ -175,6 +175,9 @@ def support_table() -> Table:
     rows = [(name, *(support(name, d).text for d in present)) for name in (*MODES, *FORMATS)]
     notes = [f"{d.name}: {d.label}" + (f", compute capability {d.capability[0]}.{d.capability[1]}"
                                         if d.capability else "") for d in present]
+    if cpu_features() != detected_features():  # a "what if" table, from cpu_features_as
+        notes.append("cpu answers as if it had the CPU flags: "
+                     f"{', '.join(sorted(cpu_features())) or 'none'} (injected, not this CPU's)")
     notes.append("Native fp16/bf16 on a CPU means AVX512-FP16/AMX-FP16 and AVX512-BF16/AMX-BF16 "
                  "(x86) or the ARM fp16/bf16 extensions; without them torch runs slower fallback kernels.")
     return Table(("mode / format", *(d.name for d in present)), rows,
