@@ -24,9 +24,28 @@ def _dispatch_mode_depth() -> int:
         return -1
 
 
+def _call(fn_path: str, *args: object) -> object:
+    """Call a reader that only some torch builds have; None where it is absent or refuses."""
+    obj: object = torch
+    try:
+        for part in fn_path.split("."):
+            obj = getattr(obj, part)
+        return obj(*args)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+_FP32_PAIRS = tuple((b, o) for b in ("generic", "cuda", "mkldnn") for o in ("all", "matmul", "conv", "rnn"))
+
+
+def _fp32_precision_pairs() -> tuple:
+    """Every raw (backend, op) fp32_precision entry, as torch >= 2.9 stores it."""
+    return tuple((b, o, _call("_C._get_fp32_precision_getter", b, o)) for b, o in _FP32_PAIRS)
+
+
 def _autocast_flags() -> tuple:
     flags = []
-    for dev in ("cpu", "cuda"):
+    for dev in ("cpu", "cuda", "mps", "xpu"):
         try:
             flags.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
         except (TypeError, RuntimeError, AttributeError):
@@ -50,13 +69,22 @@ class TorchState:
     grad_enabled: bool
     dispatch_mode_depth: int
     global_module_hooks: int
+    fp32_precision_pairs: tuple = ()
+    autocast_cache_enabled: object = None
+    inference_mode: object = None
+    anomaly_check_nan: object = None
+    deterministic: object = None
+    default_device: object = None
+    torch_function_mode_depth: object = None
+    saved_tensors_hooks: object = None  # the innermost default (pack, unpack) pair, or None
 
 
 def _global_module_hooks() -> int:
     from torch.nn.modules import module as m
 
     names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-             "_global_backward_pre_hooks", "_global_module_registration_hooks")
+             "_global_backward_pre_hooks", "_global_module_registration_hooks",
+             "_global_buffer_registration_hooks", "_global_parameter_registration_hooks")
     return sum(len(getattr(m, n, {})) for n in names)
 
 
@@ -64,7 +92,7 @@ def snapshot() -> TorchState:
     """Read the current global torch state."""
     return TorchState(
         default_dtype=torch.get_default_dtype(),
-        matmul_precision=torch.get_float32_matmul_precision(),
+        matmul_precision=_call("get_float32_matmul_precision"),
         cuda_matmul_allow_tf32=_get(torch.backends.cuda.matmul, "allow_tf32"),
         cudnn_allow_tf32=_get(torch.backends.cudnn, "allow_tf32"),
         cuda_matmul_fp32_precision=_get(torch.backends.cuda.matmul, "fp32_precision"),
@@ -75,4 +103,13 @@ def snapshot() -> TorchState:
         grad_enabled=torch.is_grad_enabled(),
         dispatch_mode_depth=_dispatch_mode_depth(),
         global_module_hooks=_global_module_hooks(),
+        fp32_precision_pairs=_fp32_precision_pairs(),
+        autocast_cache_enabled=_call("is_autocast_cache_enabled"),
+        inference_mode=_call("is_inference_mode_enabled"),
+        anomaly_check_nan=_call("is_anomaly_check_nan_enabled"),
+        deterministic=(_call("are_deterministic_algorithms_enabled"),
+                       _call("is_deterministic_algorithms_warn_only_enabled")),
+        default_device=_call("get_default_device"),
+        torch_function_mode_depth=_call("_C._len_torch_function_stack"),
+        saved_tensors_hooks=_call("_C._autograd._top_saved_tensors_default_hooks", False),
     )

@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from ampnb._tf32 import TF32_SETTINGS, tf32_context
-from ampnb.device import sync, tf32_state
+from ampnb.device import TF32_ALLOWED, sync, tf32_context, tf32_setting, tf32_state
 from ampnb.display import Table
 from ampnb.modes import get_mode
 
@@ -223,10 +222,12 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if tf32 not in TF32_SETTINGS:
-        raise ValueError(f"tf32 must be one of {', '.join(map(repr, TF32_SETTINGS))}, got {tf32!r}")
+    try:
+        setting = tf32_setting(tf32)
+    except ValueError:
+        raise ValueError(f"tf32 must be one of {TF32_ALLOWED}, got {tf32!r}") from None
     dev = _device(device)
-    entries = _entries(modes, TF32_SETTINGS[tf32])
+    entries = _entries(modes, setting)
     for e in entries:
         get_mode(e.mode).check(dev)
     total = len(entries) * (warmup + repeat)

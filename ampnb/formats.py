@@ -201,11 +201,15 @@ def quantize(x: torch.Tensor, fmt: str | torch.dtype | FloatFormat,
     e4m3fn saturates to +-max, the fnuz formats give NaN); `saturate=True` clamps to +-max;
     `saturate=False` gives inf, or NaN where the format has no inf.
     float64 inputs are rounded to float32 first when the target is narrower, as torch's casts do.
+    NaNs come out as torch's own cast makes them (sign, payload); where torch has no dtype, as
+    the quiet NaN with x's sign and only the payload bits the format has.
     """
     f = get_format(fmt)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"quantize needs a floating-point tensor, got {got}")
+    if saturate is not None and not isinstance(saturate, bool):
+        raise ValueError(f"saturate must be True, False or None (what torch's cast does), got {saturate!r}")
     if x.dtype == torch.float64 and f.mantissa_bits < 23:
         work = x.float()
     else:
@@ -217,11 +221,26 @@ def quantize(x: torch.Tensor, fmt: str | torch.dtype | FloatFormat,
     ulp = torch.ldexp(torch.ones_like(a), exponent - f.mantissa_bits)
     q = torch.round(a / ulp) * ulp  # torch.round rounds half to even
     q = torch.where(q > f.max, _overflow_value(f, saturate, work.dtype), q)
-    q = torch.where(torch.isnan(work), work, q)
     q = torch.copysign(q, work)
     if not f.has_negative_zero:
         q = torch.where(q == 0, torch.zeros_like(q), q)
+    nan = torch.isnan(x)
+    if nan.any():
+        q = torch.where(nan, _nan_of(x, f), q.to(x.dtype))
     return q.to(x.dtype)
+
+
+def _nan_of(x: torch.Tensor, f: FloatFormat) -> torch.Tensor:
+    """The NaNs x's NaNs become in f: torch's own (its cast decides payload and sign), else
+    the quiet NaN keeping x's sign and the payload bits that f has."""
+    if f.torch_dtype is not None:
+        return x.to(f.torch_dtype).to(x.dtype)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    ints, fraction = (torch.int64, 52) if wide == torch.float64 else (torch.int32, 23)
+    bits = x.to(wide).view(ints)
+    dropped = (1 << (fraction - f.mantissa_bits)) - 1
+    quiet = 1 << (fraction - 1)
+    return ((bits & ~dropped) | quiet).view(wide).to(x.dtype)
 
 
 def _overflow_value(f: FloatFormat, saturate: bool | None, dtype: torch.dtype) -> torch.Tensor:

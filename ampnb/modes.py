@@ -10,12 +10,15 @@ on any machine.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from ampnb._interrupt import Guard
+from ampnb._tree import map_tensors
+from ampnb.display import Table, TableView, dtype_name
 
 
 @dataclass(frozen=True)
@@ -33,28 +36,28 @@ class Availability:
         return self.ok
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Set torch's default float dtype for the body; always restore it."""
+def _set_default_dtype(dtype: torch.dtype) -> torch.dtype:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+    return previous
+
+
+def default_dtype(dtype: torch.dtype) -> Guard:
+    """Set torch's default float dtype for the body; always restore it, also on an interrupt.
+
+    A Guard, not a generator, so that no line runs between the body and the restore.
+    """
+    return Guard(lambda: _set_default_dtype(dtype), torch.set_default_dtype)
+
+
+def guarded(context: contextlib.AbstractContextManager) -> Guard:
+    """A context manager entered and exited whole: an interrupt cannot leave it half set up."""
+    return Guard(context.__enter__, lambda _: context.__exit__(None, None, None))
 
 
 def cast_floats(data: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor in nested lists/tuples/dicts to dtype; leave the rest."""
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if torch.is_floating_point(data) else data
-    if isinstance(data, Mapping):
-        return type(data)({k: cast_floats(v, dtype) for k, v in data.items()})
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(cast_floats(v, dtype) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(cast_floats(v, dtype) for v in data)
-    return data
+    """Cast every floating tensor inside data (any container ampnb walks) to dtype; leave the rest."""
+    return map_tensors(lambda t: t.to(dtype) if torch.is_floating_point(t) else t, data)
 
 
 def _device_type(device: str | torch.device) -> str:
@@ -67,7 +70,7 @@ def _cuda_present(device: str | torch.device) -> Availability:
     return Availability(True)
 
 
-class PrecisionMode:
+class PrecisionMode(TableView):
     """Base mode: full fp32, every hook a no-op. Subclasses override only what differs."""
 
     name: ClassVar[str] = ""
@@ -126,27 +129,22 @@ class PrecisionMode:
     def __repr__(self) -> str:
         return f"<PrecisionMode {self.name!r}>"
 
-    def _repr_html_(self) -> str:
-        from ampnb.display import Table
-
+    def table(self) -> Table:
+        """What the mode does: autocast and parameter dtypes, scaler, hardware."""
         rows = [
-            ("autocast dtype", _dtype_name(self.autocast_dtype)),
-            ("parameter dtype", _dtype_name(self.param_dtype)),
+            ("autocast dtype", dtype_name(self.autocast_dtype)),
+            ("parameter dtype", dtype_name(self.param_dtype)),
             ("GradScaler", "yes" if self.uses_scaler else "no"),
             ("needs", self.requirements),
         ]
-        return Table(("", self.name), rows, caption=self.description)._repr_html_()
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str:
-    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+        return Table(("", self.name), rows, caption=self.description)
 
 
 class MixedMode(PrecisionMode):
     """Weights stay fp32; forward runs under torch.autocast in the low dtype."""
 
     def forward_context(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
-        return torch.autocast(_device_type(device), dtype=self.autocast_dtype)
+        return guarded(torch.autocast(_device_type(device), dtype=self.autocast_dtype))
 
     def convert_input(self, data: Any) -> Any:
         # Fabric casts inputs to the autocast dtype; autocast casts them again where needed.

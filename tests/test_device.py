@@ -11,6 +11,7 @@ from ampnb import _state
 from ampnb.device import (
     DeviceInfo,
     Support,
+    cpu_features_as,
     devices,
     get_device,
     matmul_throughput,
@@ -75,6 +76,23 @@ def test_missing_cuda_names_it_and_lists_what_is_there():
         get_device(torch.device("cuda:1"))
 
 
+@pytest.mark.parametrize("bad", ["cpu:5", "cpu:1", torch.device("cpu", 3)])
+def test_a_cpu_index_other_than_0_is_refused_naming_the_devices(bad):
+    names = ", ".join(d.name for d in devices())
+    with pytest.raises(ValueError) as err:
+        get_device(bad)
+    assert str(err.value) == f"device {str(bad)!r} is not available on this machine; available: {names}"
+
+
+def test_the_magics_device_option_refuses_cpu_1_too():
+    pytest.importorskip("IPython")
+    from ampnb.magics.runs import device_name
+
+    with pytest.raises(ValueError, match="device 'cpu:1' is not available on this machine"):
+        device_name("cpu:1")
+    assert device_name("cpu:0") == "cpu"
+
+
 @pytest.mark.parametrize("bad", ["gpu", "cuda:x", "", None, 3.5])
 def test_unknown_device_is_a_one_line_value_error(bad):
     with pytest.raises(ValueError, match="available: cpu") as err:
@@ -123,13 +141,27 @@ def test_slow_means_supported_but_not_native(name):
         assert found.reason.startswith("slow: no native")
 
 
+# A CPU with native bf16 and fp16 units, one with neither, and each alone: no test may depend
+# on which CPU runs it, so the answers are injected (x86 and ARM spellings of the flags).
+CPUS = {
+    "avx2 only": {"avx2", "fma"},
+    "avx512-bf16": {"avx2", "avx512f", "avx512_bf16"},
+    "avx512-fp16": {"avx2", "avx512f", "avx512_fp16"},
+    "arm bf16+fp16": {"asimd", "asimdhp", "bf16"},
+}
+
+
+@pytest.mark.parametrize("cpu", list(CPUS))
 @pytest.mark.parametrize("name", list(MODES))
-def test_mode_support_agrees_with_the_mode_and_really_runs(name):
+def test_mode_support_agrees_with_the_mode_and_really_runs(name, cpu):
     mode = get_mode(name)
-    found = support(mode, "cpu")
-    assert found.ok == mode.availability("cpu").ok
+    with cpu_features_as(CPUS[cpu]):
+        found = support(mode, "cpu")
+        compute = support(mode.compute_dtype, "cpu")
+    available = mode.availability("cpu")
+    assert found.ok == available.ok
     if not found.ok:
-        assert found.text == f"no: {mode.availability('cpu').reason}"
+        assert found.text == f"no: {available.reason}"
         return
     torch.manual_seed(0)
     with mode.module_init_context():
@@ -137,7 +169,11 @@ def test_mode_support_agrees_with_the_mode_and_really_runs(name):
     with mode.forward_context("cpu"):
         y = model(mode.convert_input(torch.randn(2, 4)))
     assert y.dtype == mode.compute_dtype
-    assert found.native == support(mode.compute_dtype, "cpu").native
+    # A mode that says how it runs (FP8 emulated) is not native, whatever the CPU has for its
+    # compute dtype; otherwise it is exactly as native as that dtype.
+    assert found.native == (not available.reason and compute.native)
+    if available.reason:
+        assert found.reason == available.reason
 
 
 def test_spellings_of_the_same_thing_agree():

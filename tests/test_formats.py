@@ -258,3 +258,41 @@ def test_quantize_leaves_input_untouched():
     before = x.clone()
     quantize(x, "fp16")
     assert torch.equal(x, before)
+
+
+# --- NaN payloads and bad arguments ------------------------------------------------------------
+
+NAN_PATTERNS = [0x7FC00000, 0x7FC00001, 0x7F800001, 0xFFC12345, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF,
+                0x7FA0F0F0]
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    int_dtype = {torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype]
+    return t.view(int_dtype).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("f", TORCH_FORMATS, ids=lambda f: f.name)
+def test_quantize_nans_are_torchs_nans_bit_for_bit(f, dtype):
+    nans = torch.tensor(NAN_PATTERNS, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    for n in (1, len(NAN_PATTERNS), 40 * len(NAN_PATTERNS)):  # torch's scalar and vector paths
+        x = torch.cat([nans.repeat(n)[:n], torch.tensor([1.0, -2.5])]).to(dtype)
+        assert _bits(quantize(x, f)) == _bits(x.to(f.torch_dtype).to(dtype)), (f.name, n)
+
+
+@pytest.mark.parametrize("name", ["tf32", "fp4_e2m1"])
+def test_quantize_nans_of_formats_without_a_torch_dtype_are_values_of_the_format(name):
+    f = get_format(name)
+    x = torch.tensor(NAN_PATTERNS, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    out = torch.tensor(_bits(quantize(x, f)), dtype=torch.int64)
+    assert torch.isnan(quantize(x, f)).all()
+    low = (1 << (23 - f.mantissa_bits)) - 1  # mantissa bits the format does not have
+    assert ((out & low) == 0).all() and ((out & 0x00400000) != 0).all()  # quiet, no extra bits
+    assert torch.equal(out < 0, torch.tensor(NAN_PATTERNS) >= 2**31)  # the sign is kept
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, "True", 1.0])
+def test_quantize_refuses_a_saturate_that_is_not_a_bool_or_none(bad):
+    with pytest.raises(ValueError, match=f"saturate must be True, False or None .*got {bad!r}") as err:
+        quantize(torch.tensor([1e6]), "fp16", saturate=bad)
+    assert "\n" not in str(err.value)

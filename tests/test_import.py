@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+import ampnb
 
 JUPYTER_SIDE = ("IPython", "ipywidgets", "matplotlib")
 
@@ -30,7 +34,7 @@ print(json.dumps({{"heavy": heavy, "ours": ours}}))
 
 def test_bare_import_loads_only_the_package_init():
     found = run_fresh("import ampnb", report=True)
-    assert found["ours"] == ["ampnb"]
+    assert found["ours"] == ["ampnb", "ampnb._lazy"]  # the one lazy-export helper, stdlib only
     assert found["heavy"] == []
 
 
@@ -82,3 +86,125 @@ def test_importing_the_core_probes_no_hardware():
     """)
     assert found["at_import"] == []
     assert "cuda.is_available" in found["after_use"]  # the spy works: devices() does probe
+
+
+# The public API of the package (DESIGN.md): every name stays, resolved lazily.
+PUBLIC = {"FloatFormat", "FORMATS", "get_format", "quantize", "PrecisionMode", "MODES", "get_mode",
+          "devices", "support", "support_table", "tf32", "set_tf32", "coverage", "capture",
+          "trace_ops", "find_nonfinite", "memory_report", "Workbench", "ScalerStepper", "compare",
+          "formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8"}
+
+
+def test_every_public_name_is_listed_and_resolves():
+    found = run_fresh("""
+        import ampnb, json
+        kinds = {n: type(getattr(ampnb, n)).__name__ for n in ampnb.__all__}
+        print(json.dumps({"all": ampnb.__all__, "dir": dir(ampnb), "kinds": kinds}))
+    """)
+    assert PUBLIC <= set(found["all"]) and found["dir"] == found["all"]
+    submodules = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8"}
+    assert {n for n, kind in found["kinds"].items() if kind == "module"} == submodules
+    with pytest.raises(AttributeError, match="module 'ampnb' has no attribute 'nope'"):
+        ampnb.nope  # noqa: B018
+
+
+def test_the_package_has_one_lazy_export_helper():
+    source = (ROOT / "__init__.py").read_text()
+    assert "lazy_exports(" in source and "importlib" not in source
+
+
+# ---------------------------------------------------------------- no import cycles
+
+ROOT = pathlib.Path(ampnb.__file__).parent
+
+# Edges of cycles in files other helpers own: fixed on other branches; the lead empties this at merge.
+_KNOWN_ELSEWHERE = {
+    ("ampnb.instruments.kernels", "ampnb.instruments._bitkeys"),
+    ("ampnb.fp8.autocast", "ampnb.modes"),
+    ("ampnb.fp8.te", "ampnb.modes"),
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    """ampnb modules imported anywhere in the file (module or function level), not for typing only."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking(node):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path a -> ... -> a, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (found := walk(w)):
+                return found
+        state[v] = 2
+        path.pop()
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := walk(v)):
+            return found
+    return None
+
+
+def test_the_graph_sees_module_and_function_level_imports():
+    graph = import_graph()
+    assert "ampnb.device.hardware" in graph["ampnb.device"]           # module level
+    assert "ampnb.magics" in graph["ampnb"]                           # inside a function
+    assert "ampnb.fp8.te" in graph["ampnb.modes"]                     # inside a method
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_in_ampnb():
+    graph = import_graph()
+    for a, b in _KNOWN_ELSEWHERE:
+        assert b in graph[a], f"{a} -> {b} is gone: remove it from _KNOWN_ELSEWHERE"
+        graph[a].discard(b)
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

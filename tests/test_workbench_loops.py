@@ -101,7 +101,7 @@ def test_bad_construction_raises_and_leaves_the_model_alone():
     before = weights(model)
     other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     cases = [dict(optimizer=other), dict(batches=[]), dict(loss_fn=3), dict(mode="nope"),
-             dict(device="cuda:9"), dict(tf32="on"), dict(batches=[torch.ones(2)])]
+             dict(device="cuda:9"), dict(tf32="yes"), dict(batches=[torch.ones(2)])]
     for case in cases:
         args = dict(model=model, optimizer=opt, loss_fn=loss_fn, batches=batches) | case
         with pytest.raises(ValueError):

@@ -12,9 +12,17 @@ from IPython.core.error import UsageError
 from IPython.display import Pretty, display
 
 from ampnb import _state
-from ampnb._tf32 import TF32_SETTINGS, tf32_context
 from ampnb.compare import Work, compare
-from ampnb.device import get_device, support, sync, tf32_effect, tf32_state
+from ampnb.device import (
+    TF32Setting,
+    get_device,
+    support,
+    sync,
+    tf32_context,
+    tf32_effect,
+    tf32_state,
+)
+from ampnb.device import tf32_setting as _core_tf32_setting
 from ampnb.magics import instruments
 from ampnb.magics.cell import NamespaceReset, Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
@@ -28,7 +36,7 @@ class Settings:
 
     mode: PrecisionMode
     device: str
-    tf32: str | None
+    tf32: TF32Setting | None
 
 
 def mode_name(value: Any) -> str:
@@ -46,13 +54,9 @@ def device_name(value: Any) -> str:
         raise ValueError(f"{e}; --device cpu runs the cell on the CPU instead") from None
 
 
-def tf32_setting(value: Any) -> str | None:
-    """'on', 'off', 'emulate', or None for '' / None (leave TF32 as it is)."""
-    if value in ("", None):
-        return None
-    if isinstance(value, str) and value in TF32_SETTINGS:
-        return TF32_SETTINGS[value]
-    raise ValueError(f"unknown TF32 setting {value!r}; use 'on', 'off' or 'emulate'")
+def tf32_setting(value: Any) -> TF32Setting | None:
+    """The core TF32 setting; '' (the unset %config default) means None, as is."""
+    return None if value == "" else _core_tf32_setting(value)
 
 
 def _available(mode: PrecisionMode, device: str) -> PrecisionMode:
@@ -75,7 +79,7 @@ def settings(mode: Any, device: Any, tf32: Any) -> Settings:
 def _tf32_text(s: Settings) -> str:
     if s.tf32 is None:
         return ("on" if tf32_state().matmul else "off") + " (as is)"
-    return {"emulate": "emulated"}.get(s.tf32, s.tf32)
+    return "emulated" if s.tf32 is TF32Setting.emulate else s.tf32.value
 
 
 def _notes(s: Settings, mode: PrecisionMode, emulation: Any = None) -> list[str]:

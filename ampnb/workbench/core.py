@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.device import get_device, sync
+from ampnb.device import TF32Setting, get_device, sync, tf32_setting
 from ampnb.device import tf32 as tf32_switch  # `tf32` is also a parameter and property here
 from ampnb.display import Table
 from ampnb.modes import PrecisionMode, get_mode
@@ -80,9 +80,16 @@ def _check_inputs(model: Any, optimizer: Any, loss_fn: Any, batches: list[Any]) 
         raise ValueError("batches must be a non-empty iterable of (inputs, targets) pairs.")
 
 
-def _check_tf32(tf32: Any) -> None:
-    if tf32 is not None and not isinstance(tf32, bool):
-        raise ValueError(f"tf32={tf32!r} is not allowed; allowed: True, False or None (unchanged).")
+def _check_tf32(tf32: Any) -> bool | None:
+    """True/False/'on'/'off' as a bool, None as None (the one TF32 parser; no emulation here)."""
+    try:
+        setting = tf32_setting(tf32)
+    except ValueError:
+        setting = TF32Setting.emulate  # refused below, with the Workbench's own allowed values
+    if setting is TF32Setting.emulate:
+        raise ValueError(f"tf32={tf32!r} is not allowed; allowed: True, False, 'on', 'off' or None "
+                         "(unchanged); emulation runs in compare(tf32='emulate').")
+    return None if setting is None else setting is TF32Setting.on
 
 
 class Workbench:
@@ -94,7 +101,7 @@ class Workbench:
                  device: str | torch.device | None = None, tf32: bool = False) -> None:
         batches = batches if isinstance(batches, list) else list(batches)
         _check_inputs(model, optimizer, loss_fn, batches)
-        _check_tf32(tf32)
+        tf32 = _check_tf32(tf32)
         dev = resolve_device(device if device is not None else next(model.parameters()).device)
         current = param_dtype(model)
         chosen = get_mode(_MODE_OF_DTYPE.get(current, "32-true") if mode is None else mode)
@@ -129,7 +136,7 @@ class Workbench:
         """Switch mode, device and/or TF32 (None keeps each); returns what could not be kept."""
         new_mode = self._mode if mode is None else get_mode(mode)
         new_device = self._device if device is None else resolve_device(device)
-        _check_tf32(tf32)
+        tf32 = _check_tf32(tf32)
         new_mode.check(new_device)  # everything is validated before anything changes
         if tf32 is not None:
             self._tf32 = bool(tf32)

@@ -1,22 +1,17 @@
-"""Which devices exist, what each can do (measured), and a TF32 switch that always restores state."""
+"""Which devices exist and what each can do: the support table, checked against what torch runs."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import platform
 from dataclasses import dataclass
 
 import torch
 
-from ampnb._matmul_speed import Throughput, matmul_throughput, throughput_table
-from ampnb._tf32_flags import TF32State, restore_tf32, set_tf32, tf32, tf32_state
+from ampnb.device.cpu import cpu_features, cpu_model, cpu_native, detected_features
 from ampnb.display import Table
 from ampnb.formats import FORMATS, FloatFormat, get_format
-
-__all__ = ["DeviceInfo", "Support", "TF32State", "Throughput", "devices", "get_device",
-           "matmul_throughput", "restore_tf32", "set_tf32", "support", "support_table", "tf32",
-           "tf32_effect", "tf32_state", "throughput_table"]
+from ampnb.modes import MODES, PrecisionMode, get_mode
 
 # ---------------------------------------------------------------- devices
 
@@ -32,33 +27,9 @@ class DeviceInfo:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """ISA flags from /proc/cpuinfo (empty where the OS does not expose them)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.split(":")[0].strip() in ("flags", "Features"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-@functools.cache
 def _devices() -> tuple[DeviceInfo, ...]:
     cpu_isa = torch.backends.cpu.get_cpu_capability()
-    found = [DeviceInfo("cpu", "cpu", f"{_cpu_model()} ({cpu_isa}, {torch.get_num_threads()} threads)",
+    found = [DeviceInfo("cpu", "cpu", f"{cpu_model()} ({cpu_isa}, {torch.get_num_threads()} threads)",
                         None)]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -84,7 +55,9 @@ def get_device(device: str | torch.device | DeviceInfo) -> DeviceInfo:
         raise ValueError(f"unknown device {device!r}; available: {names}") from None
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
-    wanted = dev.type if dev.type in ("cpu", "mps") else str(dev)
+    # "cpu" and "cpu:0" are the one CPU device; any other index names a device that is absent.
+    single = dev.type in ("cpu", "mps") and dev.index in (None, 0)
+    wanted = dev.type if single else str(dev)
     for d in present:
         if d.name == wanted:
             return d
@@ -122,22 +95,8 @@ class Support:
         return f"yes ({self.reason})" if self.reason else "yes (native)"
 
 
-@functools.cache
-def _cpu_native(fmt_name: str) -> bool:
-    """Whether this CPU has hardware units for fp16 / bf16 arithmetic (not emulation)."""
-    flags, mkldnn = _cpu_flags(), torch.ops.mkldnn
-    if fmt_name == "fp16":
-        probe = getattr(mkldnn, "_is_mkldnn_fp16_supported", None)
-        return bool(flags & {"avx512_fp16", "amx_fp16", "asimdhp"}) or bool(probe and probe())
-    # mkldnn's bf16 check accepts plain AVX512 (emulated bf16); the flags name real bf16 units.
-    if flags:
-        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    probe = getattr(mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(probe and probe())
-
-
 _FP8_MATMUL_CC = (8, 9)  # Ada/Hopper: first GPUs with FP8 tensor cores
-_AMPERE_CC = (8, 0)      # bf16 and TF32 tensor cores
+AMPERE_CC = (8, 0)      # bf16 and TF32 tensor cores
 
 
 def _format_support(f: FloatFormat, dev: DeviceInfo) -> Support:
@@ -146,7 +105,7 @@ def _format_support(f: FloatFormat, dev: DeviceInfo) -> Support:
     if f.name == "tf32":
         if dev.type != "cuda":
             return Support(False, False, "needs CUDA (Ampere+, compute capability >= 8.0)")
-        if cc < _AMPERE_CC:
+        if cc < AMPERE_CC:
             return Support(False, False, f"needs compute capability >= 8.0 ({cc_text})")
         return Support(True, True)
     if f.torch_dtype is None:
@@ -162,9 +121,9 @@ def _format_support(f: FloatFormat, dev: DeviceInfo) -> Support:
             return Support(True, True)
         need = f"compute capability >= 8.9, {cc_text}" if cc else "a GPU with compute capability >= 8.9"
         return Support(True, False, f"emulated: FP8 matmul needs {need}")
-    if f.name == "bf16" and dev.type == "cuda" and cc < _AMPERE_CC:
+    if f.name == "bf16" and dev.type == "cuda" and cc < AMPERE_CC:
         return Support(False, False, f"needs compute capability >= 8.0 ({cc_text})")
-    if f.name in ("fp16", "bf16") and dev.type == "cpu" and not _cpu_native(f.name):
+    if f.name in ("fp16", "bf16") and dev.type == "cpu" and not cpu_native(f.name):
         return Support(True, False, f"slow: no native {f.name} units on this CPU")
     return Support(True, True)
 
@@ -191,8 +150,6 @@ def support(mode_or_format: object, device: str | torch.device | DeviceInfo = "c
 
 
 def _mode_or_format(x: object) -> object:
-    from ampnb.modes import MODES, PrecisionMode, get_mode
-
     if isinstance(x, PrecisionMode) or (isinstance(x, str) and x.strip().lower() in MODES):
         return get_mode(x)
     with contextlib.suppress(ValueError, TypeError):
@@ -214,30 +171,14 @@ def _absent_device_type(device: object) -> bool:
 
 def support_table() -> Table:
     """Modes then formats against every device present: supported, native, or why not."""
-    from ampnb.modes import MODES
-
     present = _devices()
     rows = [(name, *(support(name, d).text for d in present)) for name in (*MODES, *FORMATS)]
     notes = [f"{d.name}: {d.label}" + (f", compute capability {d.capability[0]}.{d.capability[1]}"
                                         if d.capability else "") for d in present]
+    if cpu_features() != detected_features():  # a "what if" table, from cpu_features_as
+        notes.append("cpu answers as if it had the CPU flags: "
+                     f"{', '.join(sorted(cpu_features())) or 'none'} (injected, not this CPU's)")
     notes.append("Native fp16/bf16 on a CPU means AVX512-FP16/AMX-FP16 and AVX512-BF16/AMX-BF16 "
                  "(x86) or the ARM fp16/bf16 extensions; without them torch runs slower fallback kernels.")
     return Table(("mode / format", *(d.name for d in present)), rows,
                  caption="Precision support on this machine", notes=notes)
-
-
-# ---------------------------------------------------------------- TF32
-
-
-def tf32_effect(device: str | torch.device | DeviceInfo = "cpu") -> str:
-    """What the TF32 switch does on a device, in one sentence."""
-    dev = get_device(device)
-    now = "on" if tf32_state().matmul else "off"
-    if dev.type != "cuda":
-        return (f"TF32 has no effect on {dev.name}: it is a CUDA tensor-core mode (Ampere+, "
-                f"compute capability >= 8.0); fp32 matmuls here stay full fp32 (switch: {now})")
-    cc = ".".join(map(str, dev.capability))
-    if dev.capability < _AMPERE_CC:
-        return f"TF32 has no effect on {dev.name} ({dev.label}, compute capability {cc} < 8.0)"
-    return (f"TF32 is {now} for fp32 matmuls on {dev.name} ({dev.label}, compute capability "
-            f"{cc}): 10-bit mantissa inputs, fp32 range and accumulation")

@@ -1,4 +1,4 @@
-"""Measured matmul throughput per device and dtype (used through ampnb.device)."""
+"""Measured matmul throughput per device and dtype."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb._tf32_flags import tf32
+from ampnb.device.hardware import devices, get_device, support, sync
+from ampnb.device.tf32_switch import tf32
 from ampnb.display import Table
 from ampnb.formats import get_format
 
@@ -31,12 +32,10 @@ class Throughput:
     note: str = ""
 
 
-_CACHE: dict[tuple[str, str, int], Throughput] = {}
+_CACHE: dict[tuple[str, str, int, bool], Throughput] = {}
 
 
 def _measure(device: torch.device, fmt: str, n: int, note: str) -> Throughput:
-    from ampnb.device import sync  # ampnb.device imports this module
-
     dtype = torch.float32 if fmt == "tf32" else get_format(fmt).torch_dtype
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the user's RNG stream alone
     a, b = (torch.randn(n, n, generator=gen, device=device).to(dtype) for _ in range(2))
@@ -66,19 +65,17 @@ def matmul_throughput(device: object = "cpu", dtype: object = "fp32", n: int = 5
     On a CPU without native units for the dtype (fp16, bf16) it measures n/4 instead, so the
     call stays quick; the record's `n` and `note` say so.
     """
-    from ampnb.device import get_device, support
-
     dev = get_device(device)
     fmt = get_format(dtype).name
     if fmt not in _MEASURABLE:
         raise ValueError(f"matmul_throughput measures {', '.join(_MEASURABLE)}; got {dtype!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 16:
         raise ValueError(f"matmul size n must be an int >= 16, got {n!r}")
-    key = (dev.name, fmt, n)
+    found = support(fmt, dev)
+    if not found.ok:
+        raise ValueError(f"{fmt} matmul does not run on {dev.name}: {found.reason}")
+    key = (dev.name, fmt, n, found.native)  # native decides the size (CPU features may be injected)
     if refresh or key not in _CACHE:
-        found = support(fmt, dev)
-        if not found.ok:
-            raise ValueError(f"{fmt} matmul does not run on {dev.name}: {found.reason}")
         size, note = n, ""
         if dev.type == "cpu" and not found.native:
             size = max(16, n // _SLOW_SHRINK)
@@ -89,8 +86,6 @@ def matmul_throughput(device: object = "cpu", dtype: object = "fp32", n: int = 5
 
 def throughput_table(device: object = None, refresh: bool = False) -> Table:
     """Measured matmul TFLOP/s for fp32, tf32 (CUDA), bf16 and fp16 on each device."""
-    from ampnb.device import devices, get_device, support
-
     rows = []
     for dev in [get_device(device)] if device is not None else devices():
         for fmt in _TABLE_FORMATS:
