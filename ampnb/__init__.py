@@ -31,7 +31,8 @@ _EXPORTS: dict[str, str] = {
     "ScalerStepper": "ampnb.scaler",
     "compare": "ampnb.compare",
 }
-_SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8"}
+_SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
+               "lowbit"}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

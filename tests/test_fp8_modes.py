@@ -47,7 +47,7 @@ def test_cuda_without_cuda_names_what_runs_instead():
 @pytest.mark.parametrize(("name", "dtype"), list(TE_MODES.items()))
 def test_convert_module_swaps_aligned_linears_and_casts_like_lightning(name, dtype):
     mode = get_mode(name)
-    with pytest.warns(UserWarning, match=r"'3' \(out_features 3 is not a multiple of 16\)"):
+    with pytest.warns(UserWarning, match=r"'3' \(Linear 16→3: out_features 3 is not a multiple of 16\)"):
         m = mode.convert_module(model())
     assert [type(c).__name__ for c in m] == ["Fp8Linear", "GELU", "Fp8Linear", "Linear"]
     assert {p.dtype for p in m.parameters()} == {dtype}
