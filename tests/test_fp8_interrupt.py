@@ -129,3 +129,15 @@ def test_quantize_model_interrupted_while_hooking_leaves_no_hook(monkeypatch):
         quantize_model(model, "nf4", inputs=torch.randn(2, 16))
     monkeypatch.undo()
     assert not any(m._forward_hooks for m in model.modules()) and snapshot() == before
+
+
+def test_fp8_stats_interrupted_while_attaching_leaves_no_observer(monkeypatch):
+    from ampnb.fp8 import Fp8Stats
+
+    model, _ = convert_to_fp8(mlp())
+    interrupt_after(monkeypatch, nn.Module, "__setattr__",
+                    lambda self, name, value: name == "observer" and value is not None)
+    with pytest.raises(KeyboardInterrupt):
+        Fp8Stats(model)
+    monkeypatch.undo()
+    assert all(m.observer is None for m in model if isinstance(m, Fp8Linear))

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampnb._interrupt import Guard
 from ampnb.display import Table, TableView, format_percent
 from ampnb.fp8.linear import Fp8Linear, Role
 from ampnb.fp8.scaling import fp8_fractions, sqnr
@@ -53,9 +54,19 @@ class Fp8Stats(TableView):
             raise ValueError(f"{type(model).__name__} has no Fp8Linear layers to watch; "
                              "convert it first with ampnb.fp8.convert_to_fp8")
         self._count: dict[tuple[str, str], int] = defaultdict(int)
-        self._previous = {m: m.observer for m in self._names}
-        for m in self._names:
-            m.observer = self._observe
+        previous = {m: m.observer for m in self._names}
+
+        def attach() -> None:
+            for m in self._names:
+                m.observer = self._observe
+
+        def restore(_: None) -> None:
+            for m, observer in previous.items():
+                m.observer = observer
+
+        # Every layer watched or (on an interrupt) none; detach() is this Guard's exit.
+        self._attached = Guard(attach, restore)
+        self._attached.__enter__()
 
     def _observe(self, layer: Fp8Linear, role: Role | None, x: torch.Tensor,
                  scale: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -73,9 +84,8 @@ class Fp8Stats(TableView):
                                      saturated, flushed))
 
     def detach(self) -> None:
-        """Stop recording and give each layer back its previous observer."""
-        for m, previous in self._previous.items():
-            m.observer = previous
+        """Stop recording and give each layer back its previous observer (once)."""
+        self._attached.__exit__(None, None, None)
 
     def __enter__(self) -> Fp8Stats:
         return self
