@@ -106,6 +106,10 @@ def _copies(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: s
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer={optimizer!r} is not allowed; allowed: a torch.optim "
                          "Optimizer instance over the model's parameters, or None (AdamW)")
+    own = {id(p) for p in model.parameters()}
+    if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("optimizer holds tensors that are not this model's parameters; "
+                         "allowed: an optimizer built over model.parameters()")
     # Copied together, the optimizer's parameters map onto the copy's (state included).
     m, opt = copy.deepcopy((model, optimizer))
     return m.to(device), opt

@@ -171,5 +171,8 @@ def test_side_by_side_rejects_a_bad_model_or_optimizer():
         side_by_side(3, case.batch, case.loss_fn)
     with pytest.raises(ValueError, match="optimizer='adam' is not allowed"):
         side_by_side(case.model, case.batch, case.loss_fn, optimizer="adam", steps=1)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not this model's parameters"):
+        side_by_side(case.model, case.batch, case.loss_fn, optimizer=other, steps=1)
     with pytest.raises(ValueError, match="a demo brings its own"):
         side_by_side("gpt", case.batch)
