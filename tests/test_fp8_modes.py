@@ -139,3 +139,16 @@ def test_forward_context_changes_nothing_until_entered():
     with ctx:
         assert fp8_active()
     assert snapshot() == before
+
+
+def test_fp8_never_imports_the_modes_module():
+    import subprocess
+    import sys
+
+    code = ("import sys, pkgutil, importlib, torch, ampnb.fp8 as f\n"
+            "for m in pkgutil.iter_modules(f.__path__):\n"
+            "    importlib.import_module('ampnb.fp8.' + m.name)\n"
+            "from ampnb.fp8.autocast import emulated_fp8_context\n"
+            "with emulated_fp8_context('cpu', torch.bfloat16): pass\n"
+            "assert 'ampnb.modes' not in sys.modules, 'ampnb.modes imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
