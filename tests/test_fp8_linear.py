@@ -187,3 +187,16 @@ def test_without_saturation_gradients_past_e5m2_max_overflow_to_inf():
     y = saturating(x.detach().requires_grad_())
     y.backward(torch.full_like(y, 1e5))
     assert torch.isfinite(saturating.weight.grad).all()
+
+
+def test_layers_that_are_never_called_or_have_their_own_forward_are_left_out():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(nn.MultiheadAttention(32, 2), Scaled(32, 32), nn.Linear(32, 32))
+    report = plan(model)
+    # nn.MultiheadAttention uses out_proj.weight directly: swapping it would change nothing.
+    assert report.converted == ("2",)
+    assert dict(report.left_out) == {"MultiheadAttention": 1, "NonDynamicallyQuantizableLinear": 1,
+                                     "Scaled": 1}

@@ -18,8 +18,11 @@ from ampnb._interrupt import deferred
 
 
 def _is_linear(m: nn.Module) -> bool:
-    # A subclass with its own forward (a LoRA wrapper, say) would lose it if swapped.
-    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+    # A subclass with its own forward (a LoRA wrapper, say) would lose it if swapped, and
+    # nn.MultiheadAttention reads its out_proj's weight without calling it: a swap there would
+    # claim FP8 while nothing ran in FP8.
+    return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+            and not isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear))
 
 
 def _is_conv1d(m: nn.Module) -> bool:
