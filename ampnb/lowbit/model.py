@@ -70,18 +70,25 @@ class LowBitReport(TableView):
 
 
 def _layer_outputs(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
-    """Output of every Linear / Conv1D layer for one forward pass (hooks always removed)."""
+    """Output of every Linear / Conv1D layer for one eval-mode forward (model left as it was)."""
     outs: dict[str, torch.Tensor] = {}
 
-    def register() -> list[Any]:
+    # Eval mode: dropout would draw different masks for the two models compared, and
+    # BatchNorm in train mode would update the user's running statistics.
+    def register() -> tuple[list[Any], list[tuple[nn.Module, bool]]]:
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
         return [m.register_forward_hook(lambda _m, _i, o, n=name: outs.__setitem__(n, o.detach()))
-                for name, m in model.named_modules() if kind_of(m) is not None]
+                for name, m in model.named_modules() if kind_of(m) is not None], modes
 
-    def remove(handles: list[Any]) -> None:
+    def restore(state: tuple[list[Any], list[tuple[nn.Module, bool]]]) -> None:
+        handles, modes = state
         for h in handles:
             h.remove()
+        for m, training in modes:
+            m.training = training
 
-    with Guard(register, remove), torch.no_grad():
+    with Guard(register, restore), torch.no_grad():
         as_batch(inputs).call(model)
     return outs
 

@@ -176,3 +176,32 @@ def test_side_by_side_rejects_a_bad_model_or_optimizer():
         side_by_side(case.model, case.batch, case.loss_fn, optimizer=other, steps=1)
     with pytest.raises(ValueError, match="a demo brings its own"):
         side_by_side("gpt", case.batch)
+
+
+def model_inputs(case: Case):
+    """The model's inputs alone: a pair with a loss_fn is (inputs, targets)."""
+    return case.batch[0] if case.loss_fn is not None else case.batch
+
+
+def test_nf4_output_error_is_measured_in_eval_mode_and_leaves_the_model(case: Case):
+    if not matmul_layers(case.model):
+        pytest.skip("no matmul layer")
+    state = copy.deepcopy(case.model.state_dict())
+    q, report = quantize_model(case.model, "nf4", inputs=model_inputs(case))
+    # The model is left as it was: train mode, and no BatchNorm statistics moved.
+    assert all(m.training for m in case.model.modules())
+    assert all(torch.equal(v, state[k]) for k, v in case.model.state_dict().items())
+    # Reference: each layer's output captured by hand on eval-mode copies (no dropout).
+    outs = []
+    for m in (copy.deepcopy(case.model).eval(), copy.deepcopy(q).eval()):
+        got = {}
+        for name, layer in matmul_layers(m).items():
+            layer.register_forward_hook(lambda _m, _i, o, n=name, d=got: d.__setitem__(n, o))
+        with torch.no_grad():
+            as_batch(model_inputs(case)).call(m)
+        outs.append(got)
+    for e in report.layers:
+        ref = outs[0][e.name].double()
+        noise = ref - outs[1][e.name].double()
+        expected = (20 * torch.log10(ref.norm() / noise.norm())).item()
+        assert e.output_sqnr_db == pytest.approx(expected, rel=1e-9)
