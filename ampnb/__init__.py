@@ -32,7 +32,8 @@ _EXPORTS: dict[str, str] = {
     "ScalerStepper": "ampnb.scaler",
     "compare": "ampnb.compare",
 }
-_SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8"}
+_SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
+               "lowbit"}
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES)
 

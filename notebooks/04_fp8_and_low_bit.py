@@ -24,7 +24,7 @@
 import torch
 
 import ampnb
-from ampnb import fp8, plots
+from ampnb import fp8, lowbit, plots
 
 torch.set_num_threads(1)
 
@@ -244,7 +244,7 @@ result.stats.table()
 
 # %%
 # NBVAL_CHECK_OUTPUT
-book = fp8.nf4_codebook()
+book = lowbit.nf4_codebook()
 print([round(v, 4) for v in book.tolist()])
 
 # %%
@@ -259,17 +259,17 @@ ax.figure
 
 # %%
 # NBVAL_CHECK_OUTPUT
-for name, f in fp8.LOWBIT_FORMATS.items():
+for name, f in lowbit.LOWBIT_FORMATS.items():
     print(f"{name:7s} {f.bits_per_param((4096, 4096)):.4f} bits/param   {f.description}")
 
 # %% [markdown]
-# What does it do to our model? `fp8.quantize_model` rounds every Linear weight through the format
+# What does it do to our model? `lowbit.quantize_model` rounds every Linear (and Conv1D) weight through the format
 # (on a copy) and reports per layer the weight SQNR and the SQNR of the layer's output for a batch,
 # against the original model:
 
 # %%
 x, y = gpt.batches[0]
-nf4_model, report = fp8.quantize_model(gpt.model, "nf4-dq", inputs=x)
+nf4_model, report = lowbit.quantize_model(gpt.model, "nf4-dq", inputs=x)
 with torch.no_grad():
     print(f"loss fp32 weights {gpt.loss_fn(gpt.model(x), y).item():.4f}, "
           f"nf4-dq weights {gpt.loss_fn(nf4_model(x), y).item():.4f}")
@@ -286,7 +286,7 @@ report
 
 # %% jupyter={"source_hidden": true} tags=["solution"]
 for name in ("fp4", "nf4", "int8"):
-    _, r = fp8.quantize_model(gpt.model, name, inputs=x)
+    _, r = lowbit.quantize_model(gpt.model, name, inputs=x)
     mean = sum(e.weight_sqnr_db for e in r.layers) / len(r.layers)
     print(f"{name:5s} mean weight SQNR {mean:5.1f} dB")
 # int8 has 255 codes, so it is far ahead. With 16 codes each, NF4 puts them where normal
@@ -298,6 +298,6 @@ for name in ("fp4", "nf4", "int8"):
 # * With Transformer Engine on a GPU of compute capability ≥ 8.9, the `"transformer-engine"`
 #   modes swap in TE's `Linear` / `LayerNorm` and run under `te.fp8_autocast` with the matching
 #   `DelayedScaling` recipe; `fp8.te_status()` says whether that is the case here.
-# * On CUDA with bitsandbytes installed, `fp8.roundtrip` uses bitsandbytes' own 4-bit quantization.
+# * On CUDA with bitsandbytes installed, `lowbit.roundtrip` uses bitsandbytes' own 4-bit quantization.
 # * The emulation does the casts exactly (bit for bit like torch's float8 dtypes) and the matmul
 #   in fp32, so it shows the *accuracy* of FP8, not its speed.

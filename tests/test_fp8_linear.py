@@ -122,7 +122,7 @@ def mlp() -> nn.Module:
 def test_convert_swaps_only_aligned_layers_and_warns_about_the_rest():
     model = mlp()
     predicted = plan(model)
-    with pytest.warns(UserWarning, match=r"2 linear layer\(s\).*'0' \(in_features 10.*'4'"):
+    with pytest.warns(UserWarning, match=r"2 linear layer\(s\).*'0' \(Linear 10→32: in_features 10.*'4'"):
         fp8_model, report = convert_to_fp8(model)
     assert report.converted == predicted.converted == ("2",)
     assert isinstance(fp8_model[2], Fp8Linear) and isinstance(model[2], nn.Linear)
@@ -149,11 +149,11 @@ def test_inplace_convert_shares_parameters_and_revert_gives_the_same_model():
 def test_a_model_no_fp8_gemm_can_take_raises_and_stays_as_it_was():
     model = nn.Sequential(nn.Linear(3, 5), nn.Tanh())
     state = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=r"'0' \(in_features 3 is not a multiple of 8"):
+    with pytest.raises(ValueError, match=r"'0' \(Linear 3→5: in_features 3 is not a multiple of 8"):
         convert_to_fp8(model, inplace=True)
     assert isinstance(model[0], nn.Linear)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    with pytest.raises(ValueError, match="no nn.Linear layers"):
+    with pytest.raises(ValueError, match="no Linear or Conv1D layers"):
         convert_to_fp8(nn.Sequential(nn.ReLU()))
 
 
@@ -187,3 +187,16 @@ def test_without_saturation_gradients_past_e5m2_max_overflow_to_inf():
     y = saturating(x.detach().requires_grad_())
     y.backward(torch.full_like(y, 1e5))
     assert torch.isfinite(saturating.weight.grad).all()
+
+
+def test_layers_that_are_never_called_or_have_their_own_forward_are_left_out():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(nn.MultiheadAttention(32, 2), Scaled(32, 32), nn.Linear(32, 32))
+    report = plan(model)
+    # nn.MultiheadAttention uses out_proj.weight directly: swapping it would change nothing.
+    assert report.converted == ("2",)
+    assert dict(report.left_out) == {"MultiheadAttention": 1, "NonDynamicallyQuantizableLinear": 1,
+                                     "Scaled": 1}

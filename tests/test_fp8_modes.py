@@ -47,7 +47,7 @@ def test_cuda_without_cuda_names_what_runs_instead():
 @pytest.mark.parametrize(("name", "dtype"), list(TE_MODES.items()))
 def test_convert_module_swaps_aligned_linears_and_casts_like_lightning(name, dtype):
     mode = get_mode(name)
-    with pytest.warns(UserWarning, match=r"'3' \(out_features 3 is not a multiple of 16\)"):
+    with pytest.warns(UserWarning, match=r"'3' \(Linear 16→3: out_features 3 is not a multiple of 16\)"):
         m = mode.convert_module(model())
     assert [type(c).__name__ for c in m] == ["Fp8Linear", "GELU", "Fp8Linear", "Linear"]
     assert {p.dtype for p in m.parameters()} == {dtype}
@@ -139,3 +139,16 @@ def test_forward_context_changes_nothing_until_entered():
     with ctx:
         assert fp8_active()
     assert snapshot() == before
+
+
+def test_fp8_never_imports_the_modes_module():
+    import subprocess
+    import sys
+
+    code = ("import sys, pkgutil, importlib, torch, ampnb.fp8 as f\n"
+            "for m in pkgutil.iter_modules(f.__path__):\n"
+            "    importlib.import_module('ampnb.fp8.' + m.name)\n"
+            "from ampnb.fp8.autocast import emulated_fp8_context\n"
+            "with emulated_fp8_context('cpu', torch.bfloat16): pass\n"
+            "assert 'ampnb.modes' not in sys.modules, 'ampnb.modes imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""FP8 training and low-bit weights: emulated in torch everywhere, Transformer Engine on Hopper."""
+"""FP8 training: emulated in torch everywhere, Transformer Engine on Hopper (low-bit weights: ampnb.lowbit)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "scaled_quantize": "ampnb.fp8.scaling",
     "sqnr": "ampnb.fp8.scaling",
     "Fp8Linear": "ampnb.fp8.linear",
+    "CONVERTIBLE": "ampnb.fp8.layers",
     "Role": "ampnb.fp8.linear",
     "convert_to_fp8": "ampnb.fp8.convert",
     "revert_fp8": "ampnb.fp8.convert",
@@ -27,13 +28,14 @@ _EXPORTS: dict[str, str] = {
     "fp8_autocast": "ampnb.fp8.autocast",
     "fp8_active": "ampnb.fp8.autocast",
     "te_status": "ampnb.fp8.te",
-    "LOWBIT_FORMATS": "ampnb.fp8.lowbit",
-    "get_lowbit": "ampnb.fp8.lowbit",
-    "nf4_codebook": "ampnb.fp8.lowbit",
-    "quantize_weight": "ampnb.fp8.lowbit",
-    "roundtrip": "ampnb.fp8.lowbit",
-    "block_normalized": "ampnb.fp8.lowbit",
-    "quantize_model": "ampnb.fp8.lowbit_model",
+    # Low-bit weight formats live in ampnb.lowbit; these names stay reachable from here.
+    "LOWBIT_FORMATS": "ampnb.lowbit.formats",
+    "get_lowbit": "ampnb.lowbit.formats",
+    "nf4_codebook": "ampnb.lowbit.formats",
+    "quantize_weight": "ampnb.lowbit.formats",
+    "roundtrip": "ampnb.lowbit.formats",
+    "block_normalized": "ampnb.lowbit.formats",
+    "quantize_model": "ampnb.lowbit.model",
     "side_by_side": "ampnb.fp8.accuracy",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

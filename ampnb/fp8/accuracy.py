@@ -1,8 +1,9 @@
-"""The same demo model trained under 32-true, bf16-mixed and emulated FP8: losses side by side."""
+"""The same model trained under 32-true, bf16-mixed and emulated FP8: losses side by side."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import warnings
 from collections.abc import Callable
@@ -12,37 +13,38 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.display import Table
+from ampnb.batch import Batch, as_batch, step_loss
+from ampnb.display import Table, TableView
 from ampnb.fp8.convert import Fp8Report, convert_to_fp8
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 from ampnb.fp8.stats import Fp8Stats
 
 
-def _fp32(model: nn.Module, device: str) -> contextlib.AbstractContextManager:
+def _fp32(device: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _bf16(model: nn.Module, device: str) -> contextlib.AbstractContextManager:
+def _bf16(device: str) -> contextlib.AbstractContextManager:
     return torch.autocast(device, dtype=torch.bfloat16)
 
 
 # run name -> (converts to FP8?, forward context). FP8 runs keep bf16 autocast for every
 # other op, as Lightning's Transformer Engine plugin does with its fallback autocast.
-RUNS: dict[str, tuple[bool, Callable[[nn.Module, str], Any]]] = {
+RUNS: dict[str, tuple[bool, Callable[[str], Any]]] = {
     "32-true": (False, _fp32),
     "bf16-mixed": (False, _bf16),
     "fp8": (True, _bf16),
 }
 
 
-@dataclass(frozen=True)
-class SideBySide:
+@dataclass(frozen=True, repr=False)
+class SideBySide(TableView):
     """Loss per step for each run, and the FP8 run's per-layer output SQNR against fp32."""
 
     losses: dict[str, tuple[float, ...]]
     recipe: Fp8Recipe
     report: Fp8Report | None = None
-    stats: Fp8Stats | None = field(default=None, compare=False, repr=False)
+    stats: Fp8Stats | None = field(default=None, compare=False)
 
     def sqnr_by_layer(self) -> dict[str, float]:
         return self.stats.sqnr_by_layer() if self.stats else {}
@@ -56,14 +58,21 @@ class SideBySide:
         return Table(("run", "steps", f"mean loss, last {last}", "vs 32-true"), rows,
                      caption=f"FP8 recipe: {self.recipe.describe()}")
 
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
+
+@dataclass(frozen=True)
+class _Work:
+    """A model, its optimizer, its loss_fn and the batches one run steps through."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable[..., torch.Tensor] | None
+    batches: list[Batch]
 
 
-def _train(demo: Any, run: str, steps: int, device: str, recipe: Fp8Recipe,
+def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, seed: int,
            watch: bool) -> tuple[list[float], Fp8Report | None, Fp8Stats | None]:
     to_fp8, context = RUNS[run]
-    model, opt, loss_fn, batches = demo
+    model, opt = work.model, work.optimizer
     report = stats = None
     if to_fp8:
         with warnings.catch_warnings():
@@ -71,35 +80,89 @@ def _train(demo: Any, run: str, steps: int, device: str, recipe: Fp8Recipe,
             model, report = convert_to_fp8(model, recipe, inplace=True)
         stats = Fp8Stats(model) if watch else None
     losses = []
-    try:
-        for x, y in itertools.islice(itertools.cycle(batches), steps):
-            with context(model, device):
-                loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-    finally:
-        if stats is not None:
-            stats.detach()
+    # Same seed for every run: dropout draws the same masks, and the caller's RNG is kept.
+    with torch.random.fork_rng(devices=[] if device == "cpu" else None):
+        torch.manual_seed(seed)
+        try:
+            for b in itertools.islice(itertools.cycle(work.batches), steps):
+                with context(device):
+                    loss = step_loss(b.call(model), b, work.loss_fn)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+        finally:
+            if stats is not None:
+                stats.detach()
     return losses, report, stats
 
 
-def side_by_side(demo_name: str = "gpt", steps: int = 200, runs: tuple[str, ...] = tuple(RUNS),
-                 recipe: Fp8Recipe | str | None = None, seed: int = 0, watch: bool = True,
-                 device: str = "cpu", **demo_kw: Any) -> SideBySide:
-    """Train identical copies (same seed, same batches) of a demo under each run."""
-    from ampnb.models import demo
+def _copies(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str
+            ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A deep copy of the model and of its optimizer bound to the copy's parameters."""
+    if optimizer is None:
+        m = copy.deepcopy(model).to(device)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={optimizer!r} is not allowed; allowed: a torch.optim "
+                         "Optimizer instance over the model's parameters, or None (AdamW)")
+    own = {id(p) for p in model.parameters()}
+    if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("optimizer holds tensors that are not this model's parameters; "
+                         "allowed: an optimizer built over model.parameters()")
+    # Copied together, the optimizer's parameters map onto the copy's (state included).
+    m, opt = copy.deepcopy((model, optimizer))
+    return m.to(device), opt
 
+
+def _work(model: Any, batch: Any, loss_fn: Any, optimizer: Any, seed: int, device: str,
+          demo_kw: dict[str, Any]) -> Callable[[], _Work]:
+    """A maker of fresh, identical work for each run, from a demo name or a user's model."""
+    if isinstance(model, str):
+        from ampnb.models import demo
+
+        if batch is not None or loss_fn is not None or optimizer is not None:
+            raise ValueError("a demo brings its own batches, loss_fn and optimizer; "
+                             "pass a model to use yours")
+
+        def from_demo() -> _Work:
+            d = demo(model, seed=seed, device=device, **demo_kw)
+            return _Work(d.model, d.optimizer, d.loss_fn,
+                         [as_batch(b, d.loss_fn) for b in d.batches])
+        return from_demo
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={model!r} is not allowed; allowed: an nn.Module or a demo name")
+    if demo_kw:
+        raise ValueError(f"{', '.join(demo_kw)} only apply to a demo name, not to a model")
+    b = as_batch(batch, loss_fn).to(device)
+
+    def from_model() -> _Work:
+        m, opt = _copies(model, optimizer, device)
+        return _Work(m, opt, loss_fn, [b])
+    return from_model
+
+
+def side_by_side(model: nn.Module | str = "gpt", batch: Any = None, loss_fn: Any = None, *,
+                 optimizer: torch.optim.Optimizer | None = None, steps: int = 200,
+                 runs: tuple[str, ...] = tuple(RUNS), recipe: Fp8Recipe | str | None = None,
+                 seed: int = 0, watch: bool = True, device: str = "cpu",
+                 **demo_kw: Any) -> SideBySide:
+    """Train identical copies (same start, same batches, same seed) under each run.
+
+    `model` is a demo name (with its batches, loss_fn, optimizer and `demo_kw`) or your own
+    model with one `batch` (as `ampnb.batch.as_batch` reads it), a `loss_fn` (None: the model's
+    own loss) and an `optimizer` instance over its parameters (None: AdamW, lr 1e-3). Your
+    model and optimizer are deep-copied for each run and never changed.
+    """
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         raise ValueError(f"unknown run {unknown[0]!r}; allowed: {', '.join(RUNS)}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} is not allowed; allowed: an integer >= 1")
     r = from_recipe_name(recipe)
+    fresh = _work(model, batch, loss_fn, optimizer, seed, device, demo_kw)
     losses, report, stats = {}, None, None
     for run in runs:
-        d = demo(demo_name, seed=seed, device=device, **demo_kw)
-        losses[run], rep, st = _train(d, run, steps, device, r, watch)
+        losses[run], rep, st = _train(fresh(), run, steps, device, r, seed, watch)
         report, stats = rep or report, st or stats
     return SideBySide({k: tuple(v) for k, v in losses.items()}, r, report, stats)

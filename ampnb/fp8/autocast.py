@@ -1,12 +1,14 @@
-"""fp8_autocast for emulated layers: Fp8Linear layers made by a mode run FP8 only inside it."""
+"""fp8_autocast for emulated layers: Fp8Linear layers made by a precision mode run FP8 only inside it."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import Any
 
 import torch
+
+from ampnb._interrupt import Guard
 
 # Like Transformer Engine: its layers run FP8 inside te.fp8_autocast and in higher precision
 # outside it, so a model converted for FP8 still computes exactly once the mode is left.
@@ -18,22 +20,49 @@ def fp8_active() -> bool:
     return _ACTIVE.get()
 
 
-@contextlib.contextmanager
-def fp8_autocast(enabled: bool = True) -> Iterator[None]:
+def fp8_autocast(enabled: bool = True) -> contextlib.AbstractContextManager:
     """Run context-following Fp8Linear layers in FP8 (True) or in plain precision (False)."""
     if not isinstance(enabled, bool):
         raise ValueError(f"enabled={enabled!r} is not allowed; allowed: True or False")
-    token = _ACTIVE.set(enabled)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return Guard(lambda: _ACTIVE.set(enabled), lambda token: _ACTIVE.reset(token))
 
 
-@contextlib.contextmanager
-def emulated_fp8_context(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+def _set_default_dtype(dtype: torch.dtype) -> torch.dtype:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    return previous
+
+
+def default_dtype_guard(dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """torch's default float dtype set for the body, restored even on an interrupt."""
+    return Guard(lambda: _set_default_dtype(dtype), torch.set_default_dtype)
+
+
+def autocast_guard(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """torch.autocast entered and exited as one interrupt-safe step."""
+    autocast = torch.autocast(device_type, dtype=dtype)  # a bad device fails here, unchanged
+
+    def enter() -> Any:
+        autocast.__enter__()
+        return autocast
+
+    return Guard(enter, lambda ctx: ctx.__exit__(None, None, None))
+
+
+def emulated_fp8_context(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """Lightning's FP8 forward stack: default dtype, fallback autocast, then FP8 autocast."""
-    from ampnb.modes import default_dtype
+    autocast = torch.autocast(device_type, dtype=dtype)  # a bad device fails here, unchanged
 
-    with default_dtype(dtype), torch.autocast(device_type, dtype=dtype), fp8_autocast(True):
-        yield
+    # One Guard for the three changes: an interrupt between them cannot leave one behind.
+    def enter() -> tuple[torch.dtype, torch.autocast, Any]:
+        previous = _set_default_dtype(dtype)
+        autocast.__enter__()
+        return previous, autocast, _ACTIVE.set(True)
+
+    def exit(state: tuple[torch.dtype, torch.autocast, Any]) -> None:
+        previous, ctx, token = state
+        _ACTIVE.reset(token)
+        ctx.__exit__(None, None, None)
+        torch.set_default_dtype(previous)
+
+    return Guard(enter, exit)

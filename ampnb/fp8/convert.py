@@ -1,4 +1,4 @@
-"""Swap nn.Linear for Fp8Linear, and say which layers stayed in higher precision and why."""
+"""Swap nn.Linear and transformers' Conv1D for Fp8Linear, and say what stayed in higher precision."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ampnb.display import Table
+from ampnb.display import Table, TableView
+from ampnb.fp8.layers import CONVERTIBLE, describe_left_out, kind_of, left_out, swap_children
 from ampnb.fp8.linear import MATMULS, Fp8Linear
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 
@@ -19,20 +20,22 @@ ALIGN_IN, ALIGN_OUT = 8, 16
 
 @dataclass(frozen=True)
 class LayerChoice:
-    """One linear layer: whether it runs in FP8, and why not when it does not."""
+    """One matmul layer: its type, whether it runs in FP8, and why not when it does not."""
 
     name: str
+    kind: str  # a CONVERTIBLE name: "Linear", "Conv1D"
     in_features: int
     out_features: int
     fp8: bool
     reason: str = ""
 
 
-@dataclass(frozen=True)
-class Fp8Report:
-    """Which linear layers of a model run in FP8 and which stay in higher precision."""
+@dataclass(frozen=True, repr=False)
+class Fp8Report(TableView):
+    """Which matmul layers run in FP8, which stay in higher precision, and what else was left out."""
 
     layers: tuple[LayerChoice, ...]
+    left_out: tuple[tuple[str, int], ...] = ()  # other modules with parameters, by type
 
     @property
     def converted(self) -> tuple[str, ...]:
@@ -43,96 +46,104 @@ class Fp8Report:
         return tuple(c for c in self.layers if not c.fp8)
 
     def message(self) -> str:
-        """One line per skipped layer, for warnings and errors."""
-        return "; ".join(f"{c.name or '(the model itself)'!r} ({c.reason})" for c in self.skipped)
+        """One entry per skipped layer, for warnings and errors."""
+        return "; ".join(f"{c.name or '(the model itself)'!r} ({c.kind} "
+                         f"{c.in_features}→{c.out_features}: {c.reason})" for c in self.skipped)
 
     def table(self) -> Table:
-        rows = [(c.name, f"{c.in_features}→{c.out_features}", "FP8" if c.fp8 else "higher",
-                 c.reason or "-") for c in self.layers]
-        return Table(("layer", "in→out", "precision", "why not FP8"), rows,
-                     caption=f"{len(self.converted)} of {len(self.layers)} linear layers in FP8")
-
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
-
-    def __repr__(self) -> str:
-        return repr(self.table())
+        rows = [(c.name, c.kind, f"{c.in_features}→{c.out_features}",
+                 "FP8" if c.fp8 else "higher", c.reason or "-") for c in self.layers]
+        notes = (f"left out (not {' or '.join(CONVERTIBLE)}): {describe_left_out(self.left_out)}",
+                 ) if self.left_out else ()
+        return Table(("layer", "type", "in→out", "precision", "why not FP8"), rows,
+                     caption=f"{len(self.converted)} of {len(self.layers)} linear layers in FP8",
+                     notes=notes)
 
 
-def unsupported_reason(linear: nn.Linear) -> str:
+def unsupported_reason(layer: nn.Module) -> str:
     """Why an FP8 GEMM cannot take this layer's shape ('' when it can)."""
+    n_in, n_out = kind_of(layer).features(layer)
     bad = []
-    if linear.in_features % ALIGN_IN:
-        bad.append(f"in_features {linear.in_features} is not a multiple of {ALIGN_IN}")
-    if linear.out_features % ALIGN_OUT:
-        bad.append(f"out_features {linear.out_features} is not a multiple of {ALIGN_OUT}")
+    if n_in % ALIGN_IN:
+        bad.append(f"in_features {n_in} is not a multiple of {ALIGN_IN}")
+    if n_out % ALIGN_OUT:
+        bad.append(f"out_features {n_out} is not a multiple of {ALIGN_OUT}")
     return " and ".join(bad)
 
 
-def _choices(model: nn.Module) -> tuple[LayerChoice, ...]:
-    out = []
+def _report(model: nn.Module, planned: bool) -> Fp8Report:
+    layers, taken = [], []
     for name, m in model.named_modules():
         if isinstance(m, Fp8Linear):
-            out.append(LayerChoice(name, m.in_features, m.out_features, True))
-        elif isinstance(m, nn.Linear):
-            reason = unsupported_reason(m) or "not converted"
-            out.append(LayerChoice(name, m.in_features, m.out_features, False, reason))
-    return tuple(out)
+            kind = "Conv1D" if m.transposed else "Linear"
+            layers.append(LayerChoice(name, kind, m.in_features, m.out_features, True))
+        elif (kind := kind_of(m)) is not None:
+            n_in, n_out = kind.features(m)
+            reason = unsupported_reason(m)
+            fp8 = planned and not reason
+            layers.append(LayerChoice(name, kind.name, n_in, n_out, fp8,
+                                      reason or ("" if fp8 else "not converted")))
+        else:
+            continue
+        taken.append(m)
+    return Fp8Report(tuple(layers), left_out(model, taken))
 
 
 def fp8_report(model: nn.Module) -> Fp8Report:
-    """Read off a model which linear layers run in FP8 now."""
-    return Fp8Report(_choices(model))
+    """Read off a model which matmul layers run in FP8 now."""
+    return _report(model, planned=False)
 
 
 def plan(model: nn.Module) -> Fp8Report:
-    """Which linear layers `convert_to_fp8` would turn into FP8, without touching the model."""
-    layers = []
-    for name, m in model.named_modules():
-        if isinstance(m, Fp8Linear):
-            layers.append(LayerChoice(name, m.in_features, m.out_features, True))
-        elif isinstance(m, nn.Linear):
-            reason = unsupported_reason(m)
-            layers.append(LayerChoice(name, m.in_features, m.out_features, not reason, reason))
-    return Fp8Report(tuple(layers))
+    """Which layers `convert_to_fp8` would turn into FP8, without touching the model."""
+    return _report(model, planned=True)
 
 
-def _swap(module: nn.Module, recipe: Fp8Recipe, matmul: str, enabled: bool | None) -> None:
-    for name, child in module.named_children():
-        if isinstance(child, Fp8Linear):
-            continue  # already FP8: converting twice changes nothing
-        if isinstance(child, nn.Linear) and not unsupported_reason(child):
-            setattr(module, name, Fp8Linear.from_linear(child, recipe, matmul, enabled))
-        else:
-            _swap(child, recipe, matmul, enabled)
+def _convert(model: nn.Module, recipe: Fp8Recipe, matmul: str, enabled: bool | None) -> nn.Module:
+    """Swap every FP8-able layer, all or none (a layer used twice gets one Fp8Linear)."""
+    def fits(m: nn.Module) -> bool:
+        return not isinstance(m, Fp8Linear) and kind_of(m) is not None \
+            and not unsupported_reason(m)
+
+    if fits(model):
+        return Fp8Linear.from_linear(model, recipe, matmul, enabled)  # a bare layer is the root
+    made: dict[int, Fp8Linear] = {}
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if fits(child):
+                if id(child) not in made:
+                    made[id(child)] = Fp8Linear.from_linear(child, recipe, matmul, enabled)
+                swaps.append((parent, name, made[id(child)]))
+    swap_children(swaps)
+    return model
 
 
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
                    inplace: bool = False, matmul: str = "auto",
                    enabled: bool | None = True) -> tuple[nn.Module, Fp8Report]:
-    """Replace every FP8-able nn.Linear by an emulated Fp8Linear sharing its parameters.
+    """Replace every FP8-able nn.Linear / Conv1D by an emulated Fp8Linear sharing its parameters.
 
     `inplace=False` (default) converts a deep copy so the original stays the fp32 reference.
-    Layers an FP8 GEMM cannot take stay nn.Linear, with one warning naming them; a model with
-    no FP8-able linear layer raises a ValueError and is left as it was. `enabled=None` makes
-    the layers run FP8 only inside `fp8_autocast()`, as Transformer Engine's do.
+    Layers an FP8 GEMM cannot take stay as they were, with one warning naming them; a model with
+    no FP8-able layer raises a ValueError and is left as it was. `enabled=None` makes the layers
+    run FP8 only inside `fp8_autocast()`, as Transformer Engine's do.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"convert_to_fp8 needs an nn.Module, got {type(model).__name__}")
     before = plan(model)
     if not before.converted:
-        why = before.message() or "it has no nn.Linear layers"
-        raise ValueError(f"no layer of this {type(model).__name__} can run in FP8: {why}; "
+        why = before.message() or f"it has no {' or '.join(CONVERTIBLE)} layers"
+        rest = describe_left_out(before.left_out)
+        raise ValueError(f"no layer of this {type(model).__name__} can run in FP8: {why}"
+                         f"{f' (left out: {rest})' if rest else ''}; "
                          "it would train entirely in higher precision")
     if matmul not in MATMULS:
         raise ValueError(f"matmul={matmul!r} is not allowed; allowed: {', '.join(MATMULS)}")
     if not (enabled is None or isinstance(enabled, bool)):
         raise ValueError(f"enabled={enabled!r} is not allowed; allowed: True, False or None")
     r = from_recipe_name(recipe)  # a bad recipe name fails here, before the model is touched
-    target = model if inplace else copy.deepcopy(model)
-    if isinstance(target, nn.Linear) and not isinstance(target, Fp8Linear):
-        target = Fp8Linear.from_linear(target, r, matmul, enabled)  # a bare layer is its own root
-    _swap(target, r, matmul, enabled)
+    target = _convert(model if inplace else copy.deepcopy(model), r, matmul, enabled)
     report = fp8_report(target)
     if report.skipped:
         warnings.warn(f"FP8: {len(report.skipped)} linear layer(s) stay in higher precision: "
@@ -141,29 +152,26 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
 
 
 def revert_fp8(model: nn.Module) -> nn.Module:
-    """Swap every Fp8Linear back to nn.Linear, in place, sharing the same parameters."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Fp8Linear):
-                plain = nn.Linear(child.in_features, child.out_features,
-                                  bias=child.bias is not None, device="meta")
-                plain.weight, plain.bias = child.weight, child.bias
-                setattr(parent, name, plain)
+    """Put back the layer each Fp8Linear replaced, in place, holding the same parameters."""
+    if isinstance(model, Fp8Linear):
+        return model.revert()
+    back: dict[int, nn.Module] = {}  # a layer used twice comes back as one layer
+    swaps = [(parent, name, back.setdefault(id(child), child.revert()))
+             for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, Fp8Linear)]
+    swap_children(swaps)
     return model
 
 
 def swap_for_mode(module: nn.Module, recipe: Fp8Recipe | str | None = None) -> nn.Module:
-    """The transformer-engine modes' conversion: in place, FP8 only inside fp8_autocast.
+    """The transformer-engine precision's conversion: in place, FP8 only inside fp8_autocast.
 
     As Lightning does, layers FP8 cannot take are skipped with a warning rather than an error,
     also when that leaves no layer in FP8 (the warning then says the model runs in the
     weight dtype only).
     """
     before = plan(module)
-    r = from_recipe_name(recipe)
-    if isinstance(module, nn.Linear) and not unsupported_reason(module):
-        module = Fp8Linear.from_linear(module, r, "auto", None)
-    _swap(module, r, "auto", None)
+    module = _convert(module, from_recipe_name(recipe), "auto", None)
     if before.skipped:
         none = "" if before.converted else " (no layer runs in FP8: the model computes in " \
                                            "its weight dtype only)"

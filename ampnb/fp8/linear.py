@@ -1,4 +1,8 @@
-"""An emulated FP8 Linear: e4m3 inputs and weights, e5m2 (HYBRID) output gradients, per-tensor scales."""
+"""An emulated FP8 Linear: e4m3 inputs and weights, e5m2 (HYBRID) output gradients, per-tensor scales.
+
+It also stands in for transformers' Conv1D (weight stored (in, out)): the same Parameter is
+used through a transposed view, so ties and optimizers survive the swap.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from torch.nn import functional as F
 
 from ampnb.formats import FloatFormat
 from ampnb.fp8.autocast import fp8_active
+from ampnb.fp8.layers import kind_of
 from ampnb.fp8.recipe import Fp8Recipe, Scaling, from_recipe_name
 from ampnb.fp8.scaling import (
     amax_to_scale,
@@ -61,16 +66,17 @@ class _Fp8Matmul(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 layer: Fp8Linear, out_dtype: torch.dtype) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        w = weight.t() if layer.transposed else weight  # (out, in) either way
         qx, sx = layer.cast(Role.INPUT, x2)
-        qw, sw = layer.cast(Role.WEIGHT, weight)
+        qw, sw = layer.cast(Role.WEIGHT, w)
         out = layer.matmul(qx, sx, qw.t(), sw, Role.INPUT, Role.WEIGHT)
         if bias is not None:
             out = out + bias.float()
         ctx.save_for_backward(qx, sx, qw, sw)
         ctx.layer, ctx.shapes = layer, (x.shape, x.dtype, weight.dtype,
                                         None if bias is None else bias.dtype)
-        layer.observe_output(x2, weight, bias, out)
-        return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
+        layer.observe_output(x2, w, bias, out)
+        return out.reshape(*x.shape[:-1], w.shape[0]).to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -82,6 +88,8 @@ class _Fp8Matmul(torch.autograd.Function):
         grad_w = layer.matmul(qg.t(), sg, qx, sx, Role.GRAD_OUTPUT, Role.INPUT)
         # The bias gradient is a sum, not a matmul: it uses the unquantized gradient (as TE).
         grad_b = None if b_dtype is None else g2.float().sum(0).to(b_dtype)
+        if layer.transposed:
+            grad_w = grad_w.t().contiguous()
         return grad_x.reshape(x_shape).to(x_dtype), grad_w.to(w_dtype), grad_b, None, None
 
 
@@ -89,8 +97,11 @@ class Fp8Linear(nn.Module):
     """nn.Linear whose matmuls see FP8 values scaled per tensor by an `Fp8Recipe`.
 
     `enabled`: True always FP8, False never, None only inside `ampnb.fp8.fp8_autocast()`
-    (how Transformer Engine's layers behave, and what the transformer-engine modes use).
+    (how Transformer Engine's layers behave, and what the transformer-engine precision uses).
+    `transposed`: the weight is stored (in, out), as transformers' Conv1D stores it.
     """
+
+    transposed: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: Fp8Recipe | str | None = None, matmul: str = "auto",
@@ -116,18 +127,35 @@ class Fp8Linear(nn.Module):
         # Transformer Engine starts every scale at 1 and learns it from the amax history.
         self.register_buffer("scale", torch.ones(len(Role), device=dev), persistent=False)
         self.filled = [0] * len(Role)
+        self.__dict__["source"] = None  # the layer it replaced (not a submodule: no new keys)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str | None = None,
+    def from_linear(cls, linear: nn.Module, recipe: Fp8Recipe | str | None = None,
                     matmul: str = "auto", enabled: bool | None = True) -> Fp8Linear:
-        """An Fp8Linear that shares `linear`'s Parameter objects (ties and optimizers survive)."""
-        new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe,
-                  matmul, device="meta", enabled=enabled)
+        """An Fp8Linear sharing the Parameter objects of an nn.Linear or a transformers Conv1D."""
+        kind = kind_of(linear)
+        if kind is None:
+            raise ValueError(f"cannot make an Fp8Linear from {type(linear).__name__}; allowed: "
+                             "nn.Linear or transformers' Conv1D")
+        n_in, n_out = kind.features(linear)
+        new = cls(n_in, n_out, linear.bias is not None, recipe, matmul, device="meta",
+                  enabled=enabled)
         new.weight, new.bias = linear.weight, linear.bias
+        new.transposed = kind.transposed
+        new.__dict__["source"] = linear
         dev = linear.weight.device
         new.amax_history = torch.zeros_like(new.amax_history, device=dev)
         new.scale = torch.ones_like(new.scale, device=dev)
         return new
+
+    def revert(self) -> nn.Module:
+        """The layer this one replaced (a new nn.Linear if none), holding the current parameters."""
+        old = self.source
+        if old is None:
+            old = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                            device="meta")
+        old.weight, old.bias = self.weight, self.bias
+        return old
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Fp8Linear:
         # .to(dtype) must not round the scales: they stay float32 (as in TE), only move device.
@@ -185,9 +213,17 @@ class Fp8Linear(nn.Module):
         """Whether a forward pass here would run in FP8."""
         return fp8_active() if self.enabled is None else self.enabled
 
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The replaced layer's own computation (Conv1D's addmm, or F.linear)."""
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = x2 @ self.weight if self.bias is None else torch.addmm(self.bias, x2, self.weight)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_now:
-            return F.linear(x, self.weight, self.bias)
+            return self._plain(x)
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         # The FP8 casts are the precision story here: autocast must not recast inside.
@@ -195,5 +231,6 @@ class Fp8Linear(nn.Module):
             return _Fp8Matmul.apply(x, self.weight, self.bias, self, out_dtype)
 
     def extra_repr(self) -> str:
+        layout = ", weight stored (in, out) as Conv1D" if self.transposed else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, recipe={self.recipe.describe()!r}")
+                f"bias={self.bias is not None}{layout}, recipe={self.recipe.describe()!r}")

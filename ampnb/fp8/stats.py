@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.display import Table
+from ampnb._interrupt import Guard
+from ampnb.display import Table, TableView, format_percent
 from ampnb.fp8.linear import Fp8Linear, Role
 from ampnb.fp8.scaling import fp8_fractions, sqnr
 
@@ -42,7 +43,7 @@ class OutputRecord:
     sqnr_db: float
 
 
-class Fp8Stats:
+class Fp8Stats(TableView):
     """Attach to every Fp8Linear of a model and record each cast; `detach()` (or `with`) ends it."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -53,9 +54,19 @@ class Fp8Stats:
             raise ValueError(f"{type(model).__name__} has no Fp8Linear layers to watch; "
                              "convert it first with ampnb.fp8.convert_to_fp8")
         self._count: dict[tuple[str, str], int] = defaultdict(int)
-        self._previous = {m: m.observer for m in self._names}
-        for m in self._names:
-            m.observer = self._observe
+        previous = {m: m.observer for m in self._names}
+
+        def attach() -> None:
+            for m in self._names:
+                m.observer = self._observe
+
+        def restore(_: None) -> None:
+            for m, observer in previous.items():
+                m.observer = observer
+
+        # Every layer watched or (on an interrupt) none; detach() is this Guard's exit.
+        self._attached = Guard(attach, restore)
+        self._attached.__enter__()
 
     def _observe(self, layer: Fp8Linear, role: Role | None, x: torch.Tensor,
                  scale: torch.Tensor | None, q: torch.Tensor) -> None:
@@ -73,9 +84,8 @@ class Fp8Stats:
                                      saturated, flushed))
 
     def detach(self) -> None:
-        """Stop recording and give each layer back its previous observer."""
-        for m, previous in self._previous.items():
-            m.observer = previous
+        """Stop recording and give each layer back its previous observer (once)."""
+        self._attached.__exit__(None, None, None)
 
     def __enter__(self) -> Fp8Stats:
         return self
@@ -98,7 +108,7 @@ class Fp8Stats:
             raise ValueError(f"no {role!r} casts recorded for layer {layer!r}; layers: "
                              f"{', '.join(self.layers)}; roles: input, weight, grad_output")
         rows = [(r.step, f"{r.amax:.4g}", f"{r.scale:.4g}", f"{r.scaled_amax:.4g}",
-                 f"{r.saturated:.2%}", f"{r.flushed:.2%}") for r in records]
+                 format_percent(r.saturated), format_percent(r.flushed)) for r in records]
         return Table(("step", "amax", "scale used", "amax×scale", "saturated", "flushed to 0"),
                      rows, caption=f"{layer} · {role} in {records[0].format}")
 
@@ -111,7 +121,7 @@ class Fp8Stats:
         latest = {(r.layer, r.role): r for r in self.casts}
         out = self.sqnr_by_layer()
         rows = [(r.layer, r.role, r.format, f"{r.amax:.3g}", f"{r.scale:.4g}",
-                 f"{r.scaled_amax:.4g}", f"{r.saturated:.2%}", f"{r.flushed:.2%}",
+                 f"{r.scaled_amax:.4g}", format_percent(r.saturated), format_percent(r.flushed),
                  f"{out[r.layer]:.1f}" if r.layer in out else "-")
                 for r in latest.values()]
         return Table(("layer", "tensor", "format", "amax", "scale", "amax×scale", "saturated",

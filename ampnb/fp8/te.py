@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampnb.fp8.autocast import autocast_guard, default_dtype_guard
 from ampnb.fp8.convert import unsupported_reason
+from ampnb.fp8.layers import kind_of, swap_children
 from ampnb.fp8.recipe import Fp8Recipe, Scaling, from_recipe_name
 
 # FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
@@ -60,33 +62,40 @@ def to_te_recipe(recipe: Fp8Recipe | str | None = None) -> Any:
                                     margin=r.margin)
 
 
+def _te_layer(te: Any, child: nn.Module) -> nn.Module | None:
+    """TE's layer for a Linear / Conv1D / LayerNorm child (a copy of its values), or None."""
+    kind = kind_of(child)
+    if kind is not None:
+        n_in, n_out = kind.features(child)
+        new = te.Linear(n_in, n_out, bias=child.bias is not None, device=child.weight.device)
+        new.weight.data = kind.linear_weight(child).data.clone()
+    elif (isinstance(child, nn.LayerNorm) and child.elementwise_affine
+          and child.bias is not None and len(child.normalized_shape) == 1):
+        new = te.LayerNorm(child.normalized_shape[0], eps=child.eps, device=child.weight.device)
+        new.weight.data = child.weight.data.clone()
+    else:
+        return None
+    if child.bias is not None:
+        new.bias.data = child.bias.data.clone()
+    return new
+
+
 def convert_to_te(module: nn.Module) -> nn.Module:
-    """Swap nn.Linear / nn.LayerNorm for TE's layers in place, skipping unaligned Linear layers."""
+    """Swap Linear / Conv1D / LayerNorm for TE's layers in place, skipping unaligned layers."""
     import transformer_engine.pytorch as te
 
     if any("transformer_engine" in type(m).__module__ for m in module.modules()):
         return module  # the user built it with TE layers already (Lightning does the same)
-    skipped = []
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                why = unsupported_reason(child)
-                if why:
-                    skipped.append(f"{name!r} ({why})")
-                    continue
-                new = te.Linear(child.in_features, child.out_features,
-                                bias=child.bias is not None, device=child.weight.device)
-                new.weight.data = child.weight.data.clone()
-                if child.bias is not None:
-                    new.bias.data = child.bias.data.clone()
-                setattr(parent, name, new)
-            elif (isinstance(child, nn.LayerNorm) and child.elementwise_affine
-                  and child.bias is not None and len(child.normalized_shape) == 1):
-                new = te.LayerNorm(child.normalized_shape[0], eps=child.eps,
-                                   device=child.weight.device)
-                new.weight.data = child.weight.data.clone()
-                new.bias.data = child.bias.data.clone()
-                setattr(parent, name, new)
+    skipped, swaps = [], []
+    for parent in module.modules():
+        for name, child in parent.named_children():
+            why = unsupported_reason(child) if kind_of(child) is not None else ""
+            new = None if why else _te_layer(te, child)
+            if why:
+                skipped.append(f"{name!r} ({why})")
+            elif new is not None:
+                swaps.append((parent, name, new))
+    swap_children(swaps)
     if skipped:
         warnings.warn(f"FP8: linear layers stay in higher precision: {'; '.join(skipped)}",
                       stacklevel=2)
@@ -98,10 +107,6 @@ def te_forward_context(recipe: Fp8Recipe | str | None, dtype: torch.dtype):
     """Lightning's forward context: default dtype, fallback CUDA autocast, te.fp8_autocast."""
     import transformer_engine.pytorch as te
 
-    from ampnb.modes import default_dtype
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(default_dtype(dtype))
-        stack.enter_context(torch.autocast("cuda", dtype=dtype))
-        stack.enter_context(te.fp8_autocast(enabled=True, fp8_recipe=to_te_recipe(recipe)))
+    fp8 = te.fp8_autocast(enabled=True, fp8_recipe=to_te_recipe(recipe))
+    with default_dtype_guard(dtype), autocast_guard("cuda", dtype), fp8:
         yield

@@ -9,7 +9,7 @@ import torch
 from matplotlib.axes import Axes
 
 from ampnb.formats import get_format
-from ampnb.fp8.lowbit import block_normalized, get_lowbit
+from ampnb.lowbit.formats import block_normalized, get_lowbit
 from ampnb.plots._axes import new_axes
 
 

@@ -1,0 +1,87 @@
+"""Which layers are matmul layers FP8 and low-bit formats convert: nn.Linear and transformers' Conv1D.
+
+GPT-2's attention and MLP projections are `transformers.pytorch_utils.Conv1D`: a Linear whose
+weight is stored transposed, (in, out), computing y = x @ W + b. It is recognised by its class
+name and module, so transformers is never imported for it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ampnb._interrupt import deferred
+
+
+def _is_linear(m: nn.Module) -> bool:
+    # A subclass with its own forward (a LoRA wrapper, say) would lose it if swapped, and
+    # nn.MultiheadAttention reads its out_proj's weight without calling it: a swap there would
+    # claim FP8 while nothing ran in FP8.
+    return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+            and not isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear))
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    return any(c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils"
+               for c in type(m).__mro__)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """A module type that computes x @ W^T + b: how to recognise it and how W is stored."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    transposed: bool  # weight stored (in, out): y = x @ W + b
+
+    def features(self, m: nn.Module) -> tuple[int, int]:
+        """(in_features, out_features) from the weight's shape."""
+        rows, cols = m.weight.shape
+        return (rows, cols) if self.transposed else (cols, rows)
+
+    def linear_weight(self, m: nn.Module) -> torch.Tensor:
+        """The weight as nn.Linear stores it, (out, in): a view, no copy."""
+        return m.weight.t() if self.transposed else m.weight
+
+
+# The layer types converted, in the order they are tried.
+CONVERTIBLE: dict[str, LayerKind] = {k.name: k for k in (
+    LayerKind("Linear", _is_linear, transposed=False),
+    LayerKind("Conv1D", _is_conv1d, transposed=True),
+)}
+
+
+def kind_of(m: nn.Module) -> LayerKind | None:
+    """The convertible kind of a module, or None."""
+    return next((k for k in CONVERTIBLE.values() if k.matches(m)), None)
+
+
+def left_out(model: nn.Module, taken: Iterable[nn.Module]) -> tuple[tuple[str, int], ...]:
+    """Modules holding parameters of their own that were not taken, counted by type name."""
+    skip = set(map(id, taken))
+    counts = Counter(type(m).__name__ for m in model.modules()
+                     if id(m) not in skip and next(m.parameters(recurse=False), None) is not None)
+    return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def describe_left_out(counts: tuple[tuple[str, int], ...]) -> str:
+    """'2 Embedding, 5 LayerNorm' ('' when nothing was left out)."""
+    return ", ".join(f"{n} {name}" for name, n in counts)
+
+
+def swap_children(swaps: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    """Put each new child in place, all or none: an interrupt puts every old one back."""
+    old = [(parent, name, parent._modules[name]) for parent, name, _ in swaps]
+    try:
+        with deferred():
+            for parent, name, new in swaps:
+                setattr(parent, name, new)
+    except KeyboardInterrupt:
+        with deferred():
+            for parent, name, previous in old:
+                setattr(parent, name, previous)
+        raise
