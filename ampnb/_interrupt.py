@@ -1,84 +1,170 @@
 """Set-up and restore code that an interrupt cannot cut in half.
 
 Jupyter's "interrupt kernel" sends SIGINT, which Python turns into a KeyboardInterrupt at
-whatever line runs next. `deferred()` holds it back while a few lines that change or restore
-global state run, and raises it right after them; `Guard` builds an enter/exit pair on it whose
-enter either completes or is undone, and whose exit always completes.
-Only the main thread receives signals; elsewhere both are plain sections.
+whatever line runs next. While any `Guard` or `deferred()` section is active, ampnb's SIGINT
+handler (`_hold`) decides where the interrupt may land: inside set-up or restore code (a
+Guard's enter/exit and what they call, a `deferred()` block) and on the line that leaves a
+`with` block in ampnb's own code (before its `__exit__` runs) it is held and raised as soon as
+that code is done; anywhere else — the user's own code above all — it is raised at once, as
+without ampnb. Only the main thread receives signals; elsewhere the sections are plain.
 """
 
 from __future__ import annotations
 
+import dis
+import functools
 import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
+from types import CodeType, FrameType
 from typing import Any
 
-_pending: list[int] = []  # SIGINTs that arrived while deferred
+_PACKAGE = str(Path(__file__).resolve().parent)
+_CRITICAL: set[CodeType] = set()  # code that must run to its end once started
+_pending: list[int] = []          # SIGINTs held back, raised when the critical code is done
+_active = [0, 0]                  # [installed sections, deferred() sections]
+_previous: list[Any] = []         # the handler ampnb's replaced (restored when the last ends)
 
 
-def _hold(signum: int, frame: Any) -> None:
-    """SIGINT handler while deferred: remember the interrupt, raise it at the end."""
-    _pending.append(signum)
+def critical(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a function (and so every call it makes) as code an interrupt must not cut."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is not None:
+        _CRITICAL.add(code)
+    return fn
+
+
+@functools.cache
+def _with_exits(code: CodeType) -> frozenset[int]:
+    """Offsets where a `with` block is left: the three Nones pushed for __exit__(None, None, None)."""
+    ins = list(dis.get_instructions(code))
+    return frozenset(a.offset for a, b, c in zip(ins, ins[1:], ins[2:])
+                     if a.opname == b.opname == c.opname == "LOAD_CONST"
+                     and a.argval is b.argval is c.argval is None)
+
+
+def _must_hold(frame: FrameType | None) -> bool:
+    if _active[1]:
+        return True
+    if frame is not None and frame.f_code.co_filename.startswith(_PACKAGE) \
+            and frame.f_lasti in _with_exits(frame.f_code):
+        return True
+    while frame is not None:
+        if frame.f_code in _CRITICAL:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _hold(signum: int, frame: FrameType | None) -> None:
+    """ampnb's SIGINT handler: hold the interrupt inside critical code, else raise it now."""
+    if _must_hold(frame):
+        _pending.append(signum)
+        return
+    _raise(frame)
+
+
+def _raise(frame: FrameType | None) -> None:
+    previous = _previous[0] if _previous else signal.default_int_handler
+    if callable(previous) and previous is not _hold:
+        previous(signal.SIGINT, frame)  # default_int_handler raises KeyboardInterrupt
+    raise KeyboardInterrupt
 
 
 def deferring() -> bool:
-    """True while a deferred() section holds SIGINT back."""
+    """True while ampnb's handler is installed (some Guard or deferred() section is active)."""
     return signal.getsignal(signal.SIGINT) is _hold
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@critical
+def _install() -> bool:
+    if not _main_thread():
+        return False
+    if _active[0] == 0:
+        _previous[:] = [signal.signal(signal.SIGINT, _hold)]
+    _active[0] += 1
+    return True
+
+
+@critical
+def _uninstall() -> None:
+    _active[0] -= 1
+    if _active[0] == 0:
+        signal.signal(signal.SIGINT, _previous.pop() if _previous else signal.default_int_handler)
+
+
+def _release(caller: FrameType | None) -> None:
+    """Raise a held interrupt now, unless the code that called us must itself finish first."""
+    if _pending and not _must_hold(caller):
+        _pending.clear()
+        _raise(caller)
+
+
 class deferred:  # noqa: N801 - used like a function: `with deferred():`
-    """`with deferred():` delays a SIGINT that arrives inside the block to its end."""
+    """`with deferred():` holds a SIGINT that arrives inside the block until its end."""
 
-    __slots__ = ("previous",)
+    __slots__ = ("installed",)
 
+    @critical
     def __enter__(self) -> deferred:
-        self.previous = None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, _hold)
+        self.installed = _install()
+        if self.installed:
+            _active[1] += 1
         return self
 
+    @critical
     def __exit__(self, *exc: object) -> None:
-        previous = self.previous
-        if previous is None or previous is _hold:  # not main thread, or nested: outer raises
-            return
-        signal.signal(signal.SIGINT, previous)
-        if _pending:
-            _pending.clear()
-            if callable(previous):
-                previous(signal.SIGINT, sys._getframe())  # default_int_handler raises
-            else:
-                raise KeyboardInterrupt
+        if self.installed:
+            _active[1] -= 1
+            _uninstall()
+        _release(sys._getframe(1))
 
 
 class Guard:
     """A context manager from enter() -> state and exit(state), safe against interrupts.
 
     An interrupt during enter() undoes what enter() did before it is raised; exit() always
-    runs to its end (an interrupt during it is raised afterwards).
+    runs to its end (an interrupt during it is raised afterwards). Both are critical code.
     """
 
-    __slots__ = ("_enter", "_exit", "_state", "_entered")
+    __slots__ = ("_enter", "_exit", "_state", "_entered", "_installed")
 
     def __init__(self, enter: Callable[[], Any], exit: Callable[[Any], None]) -> None:
-        self._enter, self._exit, self._entered = enter, exit, False
+        self._enter, self._exit, self._entered = critical(enter), critical(exit), False
 
+    @critical
     def __enter__(self) -> Any:
+        self._installed = _install()
         try:
-            with deferred():
-                self._state = self._enter()
-                self._entered = True
-        except KeyboardInterrupt:
-            if self._entered:  # enter() finished; the interrupt came at its end: undo it
-                self._entered = False
-                with deferred():
-                    self._exit(self._state)
+            self._state = self._enter()
+            self._entered = True
+        except BaseException:
+            if self._installed:
+                _uninstall()  # enter() failed before it finished: nothing to restore
             raise
+        caller = sys._getframe(1)
+        if _pending and not _must_hold(caller):  # interrupted during enter(): undo, then raise
+            self._close()
+            _release(caller)
         return self._state
 
+    @critical
     def __exit__(self, *exc: object) -> None:
         if self._entered:
-            with deferred():
-                self._entered = False
-                self._exit(self._state)
+            self._close()
+        _release(sys._getframe(1))
+
+    @critical
+    def _close(self) -> None:
+        self._entered = False
+        try:
+            self._exit(self._state)
+        finally:
+            if self._installed:
+                _uninstall()
