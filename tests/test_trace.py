@@ -133,3 +133,13 @@ def test_cuda_fp16_autocast_addmm():
         y = lin(x)
     (row,) = t.select(op="addmm")
     assert row.output_dtype == str(y.dtype)[6:] == "float16" and row.cast
+
+
+def test_int_to_float_cast_then_arithmetic_is_traced():
+    with ampnb.trace_ops() as t:  # LLaMA's rotary embedding does this
+        y = torch.arange(4).float() * 2
+    (cast,) = t.select(op="_to_copy")
+    (mul,) = t.select(op="mul")
+    assert cast.input_dtypes == ("int64",) and cast.output_dtype == str(y.dtype)[6:]
+    assert cast.category == "kept"  # an int becoming a float is no autocast precision cast
+    assert mul.output_dtype == "float32" and mul.category == "kept" and not mul.cast
