@@ -227,8 +227,7 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFini
                          f"step), got {type(fn).__name__}")
     hunter = Hunter()
     try:
-        with hunter:
-            value = fn(*args, **kwargs)
+        value = hunter(fn)(*args, **kwargs)  # not `with`: see OpWatch
     except Exception as e:
         if hunter.result or hunter.seen_from_outside:
             e.add_note(f"ampnb.find_nonfinite: {hunter.report().message}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 from collections import Counter
+from contextlib import ContextDecorator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,8 @@ class internal(Guard):  # noqa: N801 - used like a function: `with internal():`
     def __del__(self) -> None:
         # An interrupt at the `with` line on the way out skips __exit__ (Python 3.11); the
         # guard is freed as the interrupt unwinds the frame, so the depth is restored here.
-        self.__exit__()
+        if getattr(self, "_entered", False):  # unset: __init__ itself was interrupted
+            self.__exit__()
 
 
 def is_internal() -> bool:
@@ -186,11 +188,13 @@ def current_node_module() -> tuple[str, str]:
     return "backward", node.metadata.get(_NODE_KEY, "")
 
 
-class OpWatch(Guard, TorchDispatchMode):
+class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
     """A dispatch mode that knows the module and phase of each op; subclasses handle ops.
 
     Entering pushes the mode and registers the module hooks, both or neither; leaving undoes
-    both (Guard's enter/exit: no line of its own where an interrupt could cut in).
+    both (Guard's enter/exit: no line of its own where an interrupt could cut in). `watch(fn)`
+    runs fn inside it with no ampnb line between fn's return and the exit (Python 3.11 runs a
+    line event at a `with` on the way out, and an interrupt there skips __exit__).
     """
 
     def __init__(self) -> None:
