@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ampnb.display import dtype_name
 from ampnb.formats import get_format
 from ampnb.instruments.coverage_stats import Coverage, segment_stats
 from ampnb.instruments.trace import internal
@@ -78,7 +79,7 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
         covs, hist = found.get(id(t), ({}, ()))
         c0 = next(iter(covs.values()), None)  # amax and min |x| are the same in every format
         out.append(TensorStats(
-            s.name, s.module, s.kind, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+            s.name, s.module, s.kind, tuple(t.shape), dtype_name(t.dtype),
             t.numel(), c0.amax if c0 else math.nan, c0.min_nonzero if c0 else math.nan, hist,
             tuple(covs[f.name] for f in fmts) if c0 else (), s.calls,
             tensor=t if keep else None))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import fnmatch
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from ampnb.display import Table
+from ampnb._tree import named_tensors
+from ampnb.display import Table, TableView, format_percent
 from ampnb.formats import get_format
 from ampnb.instruments.summaries import (
     DEFAULT_FORMATS,
@@ -21,20 +22,12 @@ from ampnb.instruments.summaries import (
 )
 
 
-def _float_tensors(out: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Floating-point tensors inside a module output (tensor, tuple, list or dict)."""
-    if isinstance(out, torch.Tensor):
-        if out.is_floating_point():
-            yield prefix, out
-    elif isinstance(out, (tuple, list)):
-        for i, v in enumerate(out):
-            yield from _float_tensors(v, f"{prefix}[{i}]")
-    elif isinstance(out, dict):
-        for k, v in out.items():
-            yield from _float_tensors(v, f"{prefix}[{k!r}]")
+def _float_tensors(out: object) -> list[tuple[str, torch.Tensor]]:
+    """(path suffix, tensor) of the floating-point tensors inside a module output."""
+    return [(k, t) for k, t in named_tensors(out) if t.is_floating_point()]
 
 
-class Capture:
+class Capture(TableView):
     """Context manager: attach hooks on enter, remove every one of them on exit.
 
     Forward calls of the model are counted; one in `every` is captured (the first one, then
@@ -199,7 +192,7 @@ class Capture:
         rows = []
         for s in self.records:
             c = s.coverage(f) if s.coverages else None
-            pct = (lambda v: f"{100 * v:.3g}%") if c else (lambda v: "-")
+            pct = format_percent if c else (lambda v: "-")
             rows.append((s.name, s.kind, "x".join(map(str, s.shape)) or "scalar", s.dtype,
                          f"{s.amax:.3g}", f"{s.min_nonzero:.3g}",
                          pct(c.overflow if c else 0), pct(c.underflow if c else 0),
@@ -207,12 +200,6 @@ class Capture:
         return Table(("tensor", "kind", "shape", "dtype", "amax", "min |x|>0",
                       f"{f} overflow", f"{f} underflow", f"{f} subnormal"), rows,
                      caption=f"captured tensors against {f}")
-
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
-
-    def __repr__(self) -> str:
-        return repr(self.table())
 
 
 def capture(model: nn.Module, kinds: Iterable[str] = ("weight", "activation", "gradient"),
