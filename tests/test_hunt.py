@@ -144,7 +144,8 @@ class _Garbage(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func._schema.name.removeprefix("aten::").startswith(("empty", "new_empty")):
+        name = func._schema.name.removeprefix("aten::")
+        if name.startswith(("empty", "new_empty")) and out.is_floating_point():
             out.fill_(-math.inf)  # below the hunter: it sees only the allocation's result
         return out
 
