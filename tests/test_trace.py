@@ -154,8 +154,8 @@ def test_int_to_float_cast_then_arithmetic_is_traced():
 _OWN = tuple(str(Path(m.__file__)) for m in (trace_module, hunt_module))
 
 
-def _interrupt_at(k: int, fn) -> int:
-    """Run fn, delivering SIGINT at the k-th line of trace.py/hunt.py (as Jupyter's interrupt
+def _interrupt_at(k: int, fn, files: tuple[str, ...] = _OWN) -> int:
+    """Run fn, delivering SIGINT at the k-th line run in `files` (as Jupyter's interrupt
     would: the installed handler runs, so a deferred section holds it); returns lines seen."""
     seen = [0]
 
@@ -168,7 +168,7 @@ def _interrupt_at(k: int, fn) -> int:
         return local
 
     previous = sys.gettrace()
-    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename in _OWN else None)
+    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename in files else None)
     try:
         fn()
     except KeyboardInterrupt:

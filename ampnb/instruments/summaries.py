@@ -67,7 +67,7 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
             flat_dtype = torch.float64 if s.tensor.dtype == torch.float64 else torch.float32
             groups.setdefault((s.tensor.device, flat_dtype), {})[id(s.tensor)] = s.tensor
     found: dict[int, tuple] = {}
-    with internal(), torch.no_grad():
+    with internal():  # on private detached copies: no autograd to switch off
         for (_, dt), tensors in groups.items():
             flat = torch.cat([t.reshape(-1).to(dt) for t in tensors.values()])
             lengths = [t.numel() for t in tensors.values()]
@@ -100,5 +100,5 @@ def _check_float(x: object) -> None:
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
-    with internal(), torch.no_grad():
+    with internal():
         return x.detach().clone()

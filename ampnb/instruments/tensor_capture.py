@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ampnb._interrupt import Guard
 from ampnb._tree import named_tensors
 from ampnb.display import Table, TableView, format_percent
 from ampnb.formats import get_format
@@ -27,8 +28,9 @@ def _float_tensors(out: object) -> list[tuple[str, torch.Tensor]]:
     return [(k, t) for k, t in named_tensors(out) if t.is_floating_point()]
 
 
-class Capture(TableView):
-    """Context manager: attach hooks on enter, remove every one of them on exit.
+class Capture(TableView, Guard):
+    """Context manager: attach hooks on enter, remove every one of them on exit (a Guard: an
+    interrupt at any line leaves the model with no hook of ours).
 
     Forward calls of the model are counted; one in `every` is captured (the first one, then
     every `every`-th), with the backward that follows it. Between captured calls only one
@@ -39,6 +41,7 @@ class Capture(TableView):
                  "gradient"), modules: str | Iterable[str] = "*",
                  formats: Iterable[str] = DEFAULT_FORMATS, keep: bool = False,
                  every: int = 1) -> None:
+        Guard.__init__(self, self._attach, self._detach)
         if not isinstance(model, nn.Module):
             raise ValueError(f"capture needs an nn.Module, got {type(model).__name__}")
         self.kinds = tuple(kinds)
@@ -141,7 +144,8 @@ class Capture(TableView):
             h.remove()
         self._armed.clear()
 
-    def __enter__(self) -> Capture:
+    def _attach(self) -> Capture:
+        """Hook the model (Guard's enter: all hooks or none, interrupts held back)."""
         try:
             self._targets = [(path, m, [(f"{path}.{n}" if path else n, p)
                                         for n, p in m.named_parameters(recurse=False)])
@@ -155,15 +159,12 @@ class Capture(TableView):
             raise
         return self
 
-    def _detach(self) -> None:
+    def _detach(self, _: object = None) -> None:
+        """Remove every hook (Guard's exit). Summaries are computed at the first look."""
         self._disarm()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def __exit__(self, *exc: object) -> None:
-        self._detach()
-        self._flush()
+        while self._handles:
+            self._handles.pop().remove()
+        self._copies.clear()
 
     @property
     def records(self) -> list[TensorStats]:
