@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from torch import nn
 
 import ampnb
 from ampnb import _state
+from ampnb.instruments import summaries, tensor_capture
 from ampnb.instruments.coverage_stats import exponent_histogram
+from ampnb.instruments.trace import is_internal
 from ampnb.models.mlp import MLP
 
 
@@ -189,3 +192,30 @@ def test_weights_are_those_at_entry_even_after_an_optimizer_step():
     for name, p in model.named_parameters():
         assert not torch.equal(p, before[name])  # the step really changed it in place
         _same(cap.get(name, "weight"), before[name])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # one in __del__
+def test_an_interrupt_at_any_line_leaves_no_hook_on_the_model():
+    from test_trace import _interrupt_at
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(3, 4)
+    files = tuple(str(Path(m.__file__)) for m in (tensor_capture, summaries))
+
+    def cell():
+        with ampnb.capture(model, kinds=("weight", "activation", "gradient",
+                                         "activation_gradient")) as cap:
+            model(x).sum().backward()
+        assert cap.records
+
+    def hooks() -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) \
+            + sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+    before = _state.snapshot()
+    total = _interrupt_at(0, cell, files)
+    assert total > 30 and hooks() == 0
+    for k in range(1, total + 1):
+        _interrupt_at(k, cell, files)
+        assert hooks() == 0, f"a hook was left on the model after an interrupt at line {k}"
+        assert _state.snapshot() == before and not is_internal(), f"line {k}"

@@ -155,6 +155,7 @@ def test_exponent_histogram_against_frexp():
     (torch.arange(4), "floating-point"),
     (torch.empty(0), "non-empty"),
     ([1.0, 2.0], "torch.Tensor"),
+    (torch.ones(3, device="meta"), "meta tensor.*allowed: a tensor with data"),
 ])
 def test_bad_input_one_line_error(bad, message):
     with pytest.raises(ValueError, match=message) as e:

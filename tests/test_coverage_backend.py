@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,3 +68,10 @@ def test_a_failing_compile_is_one_line_and_keeps_eager(small_chunks, monkeypatch
         coverage_backend("compiled")
     assert "\n" not in str(e.value) and "eager" in str(e.value)
     assert coverage_backend() == "eager" and kernels._STATE["fn"] is None
+
+
+def test_imports_point_one_way_kernels_to_bitkeys():
+    code = ("import sys, ampnb.instruments._bitkeys, ampnb.instruments.coverage_stats; "
+            "print('ampnb.instruments.kernels' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # counting never needs the backend chooser

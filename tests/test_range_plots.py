@@ -10,7 +10,7 @@ from matplotlib.patches import Rectangle
 
 import ampnb
 from ampnb import _state
-from ampnb.instruments.coverage_stats import _pct
+from ampnb.display import format_percent as _pct
 from ampnb.plots import (
     plot_format_ladder,
     plot_layer_summary,

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 import ampnb
-from ampnb import _state
-from ampnb.instruments.trace import category
+from ampnb import _interrupt, _state
+from ampnb.instruments import hunt as hunt_module
+from ampnb.instruments import trace as trace_module
+from ampnb.instruments.trace import category, internal, is_internal
 from ampnb.models.mlp import MLP
 
 
@@ -133,3 +139,64 @@ def test_cuda_fp16_autocast_addmm():
         y = lin(x)
     (row,) = t.select(op="addmm")
     assert row.output_dtype == str(y.dtype)[6:] == "float16" and row.cast
+
+
+def test_int_to_float_cast_then_arithmetic_is_traced():
+    with ampnb.trace_ops() as t:  # LLaMA's rotary embedding does this
+        y = torch.arange(4).float() * 2
+    (cast,) = t.select(op="_to_copy")
+    (mul,) = t.select(op="mul")
+    assert cast.input_dtypes == ("int64",) and cast.output_dtype == str(y.dtype)[6:]
+    assert cast.category == "kept"  # an int becoming a float is no autocast precision cast
+    assert mul.output_dtype == "float32" and mul.category == "kept" and not mul.cast
+
+
+_OWN = tuple(str(Path(m.__file__)) for m in (trace_module, hunt_module))
+
+
+def _interrupt_at(k: int, fn, files: tuple[str, ...] = _OWN) -> int:
+    """Run fn, delivering SIGINT at the k-th line run in `files` (as Jupyter's interrupt
+    would: the installed handler runs, so a deferred section holds it); returns lines seen."""
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == k:
+                handler = signal.getsignal(signal.SIGINT)
+                handler(signal.SIGINT, frame)  # default_int_handler raises, _hold records
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename in files else None)
+    try:
+        fn()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(previous)
+    return seen[0]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # one in __del__
+def test_an_interrupt_at_any_line_leaves_no_stuck_counter_hook_or_mode():
+    lin, x = nn.Linear(4, 3), torch.randn(2, 4)
+
+    def cell():
+        with ampnb.trace_ops(), torch.autocast("cpu", dtype=torch.bfloat16):
+            lin(x)
+        with internal():
+            torch.ones(1)
+        ampnb.find_nonfinite(lambda: lin(x).sum().backward())
+
+    before = _state.snapshot()
+    total = _interrupt_at(0, cell)
+    assert total > 50
+    for k in range(1, total + 1):
+        _interrupt_at(k, cell)
+        assert _state.snapshot() == before, f"state changed after an interrupt at line {k}"
+        assert not is_internal() and not _interrupt._pending, f"line {k}"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with ampnb.trace_ops() as t:
+            torch.ones(2) * 2
+        assert t.rows, f"a trace after an interrupt at line {k} saw no ops"

@@ -24,7 +24,6 @@ import torch
 
 from ampnb.formats import FloatFormat, get_format
 from ampnb.instruments._bins import _EDGES, _INF_BITS, _SHARED, _cut_points
-from ampnb.instruments.kernels import _compiled_keys
 
 _CHUNK = 1 << 22        # elements per pass on CPU: buffers stay small and are reused
 _LOW = 16               # bits below the cell number
@@ -139,6 +138,18 @@ def _fused_keys(xi: torch.Tensor, cells: torch.Tensor, lows: torch.Tensor
     for i in range(_SLOTS):
         split = torch.where(cell == cells[i], low >= lows[i], split)
     return cell * 2 + split.to(torch.int32), _finite_max(b).amax(), _nonzero_min(b).amin()
+
+
+# The CPU key kernel: "eager" torch ops, or "compiled" (fn: _fused_keys through torch.compile).
+# `kernels.coverage_backend` builds and selects it; imports point from kernels to here only.
+_BACKEND: dict[str, object] = {"name": "eager", "fn": None}
+
+
+def _compiled_keys(device: torch.device) -> Callable | None:
+    """The compiled key function where it applies (CPU, selected, not inside a compile), else None."""
+    if _BACKEND["name"] != "compiled" or device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return _BACKEND["fn"]  # type: ignore[return-value]
 
 
 _SLOTS = 4  # splits the compiled kernel takes (registered formats need at most 4: fp16 + bf16)

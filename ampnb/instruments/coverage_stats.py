@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb.display import Table
+from ampnb.display import Table, TableView, format_percent
 from ampnb.formats import FloatFormat, get_format
 
 # EXP_* and _cut_points are imported from here by plots, benchmarks and tests.
@@ -32,8 +32,8 @@ from ampnb.instruments._bitkeys import (
 )
 
 
-@dataclass(frozen=True)
-class Coverage:
+@dataclass(frozen=True, repr=False)
+class Coverage(TableView):
     """How the elements of one tensor land in one format once rounded to nearest even."""
 
     format: str
@@ -61,11 +61,9 @@ class Coverage:
         """The six fractions by name; they sum to 1."""
         return {k: getattr(self, k) for k in CATEGORIES}
 
-    def _repr_html_(self) -> str:
-        return coverage_table([self])._repr_html_()
-
-    def __repr__(self) -> str:
-        return repr(coverage_table([self]))
+    def table(self) -> Table:
+        """This record as a one-row coverage table."""
+        return coverage_table([self])
 
 
 CATEGORIES = ("overflow", "underflow", "subnormal", "normal", "zero", "nonfinite")
@@ -79,6 +77,9 @@ def _as_float_tensor(x: object, what: str = "coverage") -> torch.Tensor:
         raise ValueError(f"{what} needs a floating-point tensor, got dtype {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"{what} needs a non-empty tensor, got shape {tuple(x.shape)}")
+    if x.is_meta:
+        raise ValueError(f"{what} needs values to count, got a meta tensor (shape only); "
+                         f"allowed: a tensor with data, on cpu or cuda")
     x = x.detach().reshape(-1)
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
@@ -177,18 +178,12 @@ def exponent_histogram(x: torch.Tensor) -> torch.Tensor:
     return torch.tensor(segment_stats(flat, [flat.numel()], [])[0][1])
 
 
-def _pct(v: float) -> str:
-    if v == 0:
-        return "0"
-    return f"{100 * v:.3g}%" if v >= 1e-5 else "<0.001%"
-
-
 def coverage_table(rows: Iterable[Coverage], labels: Iterable[str] | None = None,
                    caption: str = "") -> Table:
     """Coverage records side by side as a deterministic table."""
     rows = list(rows)
     names = list(labels) if labels is not None else [c.format for c in rows]
-    cells = [(name, *(_pct(getattr(c, k)) for k in CATEGORIES), f"{c.amax:.4g}",
+    cells = [(name, *(format_percent(getattr(c, k)) for k in CATEGORIES), f"{c.amax:.4g}",
               f"{c.min_nonzero:.4g}", c.count) for name, c in zip(names, rows)]
     return Table(("tensor" if labels is not None else "format", *CATEGORIES, "amax",
                   "min |x|>0", "elements"), cells, caption=caption)

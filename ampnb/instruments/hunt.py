@@ -1,4 +1,4 @@
-"""Non-finite hunter: the first op whose output went inf/NaN while its inputs were finite."""
+"""Non-finite hunter: the first op that computed inf/NaN from finite inputs."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ampnb.display import Table
+from ampnb._tree import map_tensors, named_leaves, tensors
+from ampnb.display import Table, TableView, dtype_name
 from ampnb.formats import get_format
-from ampnb.instruments.trace import OpWatch, internal, is_internal, tensors_in
+from ampnb.instruments.trace import OpWatch, internal, is_internal
 
 
 @dataclass(frozen=True)
@@ -29,9 +31,10 @@ class InputRange:
         return "-" if math.isnan(self.amax * fmt_max) else f"{self.amax / fmt_max:.3g}x max"
 
 
-@dataclass(frozen=True, eq=False)
-class NonFinite:
-    """Where inf/NaN first appeared; falsy when nothing went non-finite."""
+@dataclass(frozen=True, eq=False, repr=False)
+class NonFinite(TableView):
+    """Where inf/NaN was first made from finite values; falsy when no op made any (op, module
+    and inputs then say where inf/NaN first came in from outside, if it did)."""
 
     found: bool
     op: str = ""
@@ -56,15 +59,18 @@ class NonFinite:
     @property
     def message(self) -> str:
         """One line saying what went non-finite, where, and by how much."""
-        if not self.found:
-            aside = (f" ({self.deliberate} wrote inf/NaN constants on purpose, e.g. "
-                     "masked_fill(mask, -inf))") if self.deliberate else ""
-            return f"no inf/NaN made from finite values in {self.ops_checked} ops{aside}"
         where = f"{self.op} in {self.module or 'no module'} ({self.phase})"
         what = ", ".join(f"{n} {k}" for n, k in ((self.n_inf, "inf"), (self.n_nan, "NaN")) if n)
         head = f"{self.output_dtype} {where} made {what} of {self.count} values"
-        if not self.inputs_finite:
-            return head + ": its inputs already held inf/NaN, from outside the code run"
+        if not self.found:
+            aside = (f" ({self.deliberate} wrote inf/NaN constants on purpose, e.g. "
+                     "masked_fill(mask, -inf))") if self.deliberate else ""
+            none = f"no inf/NaN made from finite values in {self.ops_checked} ops{aside}"
+            if not self.op:
+                return none
+            return (f"{none}; inf/NaN came in from outside the code run (data, weights): "
+                    f"first seen entering {where}, which then held {what} of {self.count} "
+                    "values")
         if math.isfinite(self.exact_amax):
             return (head + f": in float64 the result reaches {self.exact_amax:.4g}, "
                     f"{self.exact_amax / self.format_max:.3g}x {self.format}'s max "
@@ -72,7 +78,9 @@ class NonFinite:
         return head + " from finite inputs"
 
     def table(self) -> Table:
-        """The blamed op's inputs against the output format's max."""
+        """The op's inputs against the output format's max."""
+        if not self.op:
+            return Table(("result",), [(self.message,)], caption="non-finite hunt")
         rows = [(f"input {i}", r.dtype, "x".join(map(str, r.shape)) or "scalar",
                  f"{r.amax:.4g}", r.vs(self.format_max), "yes" if r.finite else "no")
                 for i, r in enumerate(self.inputs)]
@@ -82,19 +90,13 @@ class NonFinite:
         return Table(("tensor", "dtype", "shape", "amax", f"vs {self.format or 'format'} max",
                       "finite"), rows, caption="non-finite hunt", notes=(self.message,))
 
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
-
-    def __repr__(self) -> str:
-        return repr(self.table()) if self.found else self.message
-
 
 def _floats(obj: Any) -> list[torch.Tensor]:
-    return [t for t in tensors_in(obj) if t.is_floating_point() and t.numel()]
+    return [t for t in tensors(obj) if t.is_floating_point() and t.numel()]
 
 
-def _all_finite(ts: list[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in ts)
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all())
 
 
 def _amax(t: torch.Tensor) -> float:
@@ -105,23 +107,11 @@ def _amax(t: torch.Tensor) -> float:
 
 def _deliberate(obj: Any) -> bool:
     """True when an op is handed an inf/NaN constant, as attention masks are."""
-    if isinstance(obj, float):
-        return not math.isfinite(obj)
-    if isinstance(obj, (list, tuple)):
-        return any(_deliberate(v) for v in obj)
-    if isinstance(obj, dict):
-        return any(_deliberate(v) for v in obj.values())
-    return False
+    return any(isinstance(v, float) and not math.isfinite(v) for _, v in named_leaves(obj))
 
 
-def _upcast(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.double() if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_upcast(v) for v in obj)
-    if isinstance(obj, dict):  # out= too, so the float64 result has somewhere to go
-        return {k: _upcast(v) for k, v in obj.items()}
-    return obj
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    return t.double() if t.is_floating_point() else t
 
 
 def _exact_amax(func: Any, args: Any, kwargs: Any) -> float:
@@ -129,52 +119,88 @@ def _exact_amax(func: Any, args: Any, kwargs: Any) -> float:
     if any(a.alias_info is not None and a.alias_info.is_write and not a.is_out
            for a in func._schema.arguments):
         return math.nan  # in place: the inputs were overwritten, a recomputation would mislead
-    try:
-        outs = _floats(func(*_upcast(args), **_upcast(kwargs)))
+    try:  # out= is upcast too, so the float64 result has somewhere to go
+        outs = _floats(func(*map_tensors(_upcast, args), **map_tensors(_upcast, kwargs)))
     except Exception:  # noqa: BLE001 - not every op accepts float64 (or its kwargs pin a dtype)
         return math.nan
-    amaxes = [_amax(o) for o in outs if bool(torch.isfinite(o).all())]
+    amaxes = [_amax(o) for o in outs if _finite(o)]
     return max(amaxes) if amaxes else math.nan
 
 
+def _op_name(func: Any) -> str:
+    return func._schema.name.removeprefix("aten::")
+
+
+# Ops that hand out memory without computing anything: what it holds is whatever was there
+# before (often a freed attention mask's -inf). They are never blamed.
+_ALLOCATE_PREFIXES = ("empty", "new_empty", "_empty")
+_ALLOCATE = frozenset({"resize_", "resize_as_", "set_"})
+# In-place ops that overwrite their destination without reading it: it is no input of theirs.
+_OVERWRITE = frozenset({"fill_", "zero_", "copy_", "bernoulli_", "uniform_", "normal_",
+                        "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"})
+
+
+def _allocates(name: str) -> bool:
+    return name in _ALLOCATE or name.startswith(_ALLOCATE_PREFIXES)
+
+
 class Hunter(OpWatch):
-    """`with Hunter() as h:` checks every op's floating outputs; h.report() names the first."""
+    """`with Hunter() as h:` checks every op's floating outputs; h.report() names the first.
+
+    Only an op whose floating inputs were all finite and whose computed output is not may be
+    blamed. inf/NaN that an op was handed from outside the run (data, weights) is reported
+    where it was first seen entering, and the report stays falsy.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.result: NonFinite | None = None
         self.seen_from_outside: NonFinite | None = None
         self.ops = self.deliberate = 0
+        # Tensors made inside the run that hold (or may hold) inf/NaN: allocations, inf/NaN
+        # constants and what flowed from them. inf/NaN in any other input came from outside.
+        self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if self.result is not None or is_internal():
             return func(*args, **kwargs)
-        mutable = func._schema.is_mutable
-        written = {a.name for a in func._schema.arguments if a.is_out}  # out=: not read
-        ins = _floats((args, {k: v for k, v in kwargs.items() if k not in written}))
-        outs_given = _floats([kwargs[k] for k in written if k in kwargs])
+        name = _op_name(func)
+        if _allocates(name):
+            out = func(*args, **kwargs)
+            for t in tensors(out):
+                self._made[t] = True
+            return out
+        schema = func._schema
+        written = {a.name for a in schema.arguments if a.is_out}  # out=: written, not read
+        overwrite = name in _OVERWRITE and bool(args)
+        read_args = args[1:] if overwrite else args
+        ins = _floats((read_args, {k: v for k, v in kwargs.items() if k not in written}))
+        given = _floats(([kwargs[k] for k in written if k in kwargs], args[:1] if overwrite else ()))
+        mutable = schema.is_mutable
         with internal():  # an in-place op overwrites its inputs: look at them before it runs
-            before = _all_finite(ins) if mutable else None
+            bad_before = [t for t in ins if not _finite(t)] if mutable else None
         out = func(*args, **kwargs)
         self.ops += 1
-        outs = _floats(out) + outs_given + (ins if mutable else [])
+        outs = _floats(out) + given + (ins if mutable else [])
         with internal():  # the checks stay out of a trace running at the same time
-            if _all_finite(outs):
+            if all(_finite(t) for t in outs):
                 return out
+            for t in outs:
+                self._made[t] = True
             if _deliberate((args, kwargs)):  # masked_fill(mask, -inf): an attention mask
                 self.deliberate += 1
                 return out
-            finite_in = before if mutable else _all_finite(ins)
-            found = self._blame(func, args, kwargs, ins, outs, finite_in)
-        if finite_in:
-            self.result = found
-        elif self.seen_from_outside is None:
-            self.seen_from_outside = found
+            bad_in = bad_before if mutable else [t for t in ins if not _finite(t)]
+            if not bad_in:
+                self.result = self._blame(func, args, kwargs, ins, outs, True)
+            elif self.seen_from_outside is None and any(t not in self._made for t in bad_in):
+                self.seen_from_outside = self._blame(func, args, kwargs, ins, outs, False)
         return out
 
     def report(self, value: Any = None) -> NonFinite:
-        """The first op that made inf/NaN from finite inputs (else where inf/NaN came in)."""
+        """The first op that made inf/NaN from finite inputs; falsy otherwise (then it still
+        says where inf/NaN first came in from outside, if it did)."""
         found = self.result or self.seen_from_outside
         if found is None:
             return NonFinite(False, ops_checked=self.ops, deliberate=self.deliberate, value=value)
@@ -183,13 +209,13 @@ class Hunter(OpWatch):
 
     def _blame(self, func: Any, args: Any, kwargs: Any, ins: list[torch.Tensor],
                outs: list[torch.Tensor], finite_in: bool) -> NonFinite:
-        bad = next(o for o in outs if not bool(torch.isfinite(o).all()))
+        bad = next(o for o in outs if not _finite(o))
         fmt = get_format(bad.dtype)
         phase, module = self.where()
-        ranges = tuple(InputRange(str(t.dtype)[6:], tuple(t.shape), _amax(t),
-                                  bool(torch.isfinite(t).all())) for t in ins)
-        return NonFinite(True, func._schema.name.removeprefix("aten::"), module, phase,
-                         str(bad.dtype)[6:], fmt.name, fmt.max, int(torch.isinf(bad).sum()),
+        ranges = tuple(InputRange(dtype_name(t.dtype), tuple(t.shape), _amax(t), _finite(t))
+                       for t in ins)
+        return NonFinite(finite_in, _op_name(func), module, phase, dtype_name(bad.dtype),
+                         fmt.name, fmt.max, int(torch.isinf(bad).sum()),
                          int(torch.isnan(bad).sum()), bad.numel(), ranges,
                          _exact_amax(func, args, kwargs) if finite_in else math.nan, finite_in)
 
@@ -201,10 +227,9 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFini
                          f"step), got {type(fn).__name__}")
     hunter = Hunter()
     try:
-        with hunter:
-            value = fn(*args, **kwargs)
+        value = hunter(fn)(*args, **kwargs)  # not `with`: see OpWatch
     except Exception as e:
-        if hunter.result is not None:
-            e.add_note(f"ampnb.find_nonfinite: {hunter.result.message}")
+        if hunter.result or hunter.seen_from_outside:
+            e.add_note(f"ampnb.find_nonfinite: {hunter.report().message}")
         raise
     return hunter.report(value)

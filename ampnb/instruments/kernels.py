@@ -6,8 +6,11 @@ import math
 
 import torch
 
+from ampnb.formats import FORMATS, get_format
+from ampnb.instruments import _bitkeys as bk
+
 BACKENDS = ("eager", "compiled")
-_STATE: dict[str, object] = {"name": "eager", "fn": None}
+_STATE = bk._BACKEND  # the selection lives beside the code that reads it
 
 
 def coverage_backend(name: str | None = None) -> str:
@@ -22,18 +25,8 @@ def coverage_backend(name: str | None = None) -> str:
     return name
 
 
-def _compiled_keys(device: torch.device):
-    """The compiled key function where it applies (CPU, selected, not inside a compile), else None."""
-    if _STATE["name"] != "compiled" or device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    return _STATE["fn"]
-
-
 def _build():
     """torch.compile the fused key pass and check it against the eager one on awkward values."""
-    from ampnb.formats import FORMATS, get_format
-    from ampnb.instruments import _bitkeys as bk
-
     fn = torch.compile(bk._fused_keys, dynamic=False, fullgraph=True)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(bk._CHUNK, generator=g) * torch.exp2(

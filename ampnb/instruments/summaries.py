@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ampnb.display import dtype_name
 from ampnb.formats import get_format
 from ampnb.instruments.coverage_stats import Coverage, segment_stats
 from ampnb.instruments.trace import internal
@@ -66,7 +67,7 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
             flat_dtype = torch.float64 if s.tensor.dtype == torch.float64 else torch.float32
             groups.setdefault((s.tensor.device, flat_dtype), {})[id(s.tensor)] = s.tensor
     found: dict[int, tuple] = {}
-    with internal(), torch.no_grad():
+    with internal():  # on private detached copies: no autograd to switch off
         for (_, dt), tensors in groups.items():
             flat = torch.cat([t.reshape(-1).to(dt) for t in tensors.values()])
             lengths = [t.numel() for t in tensors.values()]
@@ -78,7 +79,7 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
         covs, hist = found.get(id(t), ({}, ()))
         c0 = next(iter(covs.values()), None)  # amax and min |x| are the same in every format
         out.append(TensorStats(
-            s.name, s.module, s.kind, tuple(t.shape), str(t.dtype).removeprefix("torch."),
+            s.name, s.module, s.kind, tuple(t.shape), dtype_name(t.dtype),
             t.numel(), c0.amax if c0 else math.nan, c0.min_nonzero if c0 else math.nan, hist,
             tuple(covs[f.name] for f in fmts) if c0 else (), s.calls,
             tensor=t if keep else None))
@@ -99,5 +100,5 @@ def _check_float(x: object) -> None:
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
-    with internal(), torch.no_grad():
+    with internal():
         return x.detach().clone()

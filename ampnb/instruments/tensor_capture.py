@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import fnmatch
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from ampnb.display import Table
+from ampnb._interrupt import Guard
+from ampnb._tree import named_tensors
+from ampnb.display import Table, TableView, format_percent
 from ampnb.formats import get_format
 from ampnb.instruments.summaries import (
     DEFAULT_FORMATS,
@@ -21,21 +23,14 @@ from ampnb.instruments.summaries import (
 )
 
 
-def _float_tensors(out: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Floating-point tensors inside a module output (tensor, tuple, list or dict)."""
-    if isinstance(out, torch.Tensor):
-        if out.is_floating_point():
-            yield prefix, out
-    elif isinstance(out, (tuple, list)):
-        for i, v in enumerate(out):
-            yield from _float_tensors(v, f"{prefix}[{i}]")
-    elif isinstance(out, dict):
-        for k, v in out.items():
-            yield from _float_tensors(v, f"{prefix}[{k!r}]")
+def _float_tensors(out: object) -> list[tuple[str, torch.Tensor]]:
+    """(path suffix, tensor) of the floating-point tensors inside a module output."""
+    return [(k, t) for k, t in named_tensors(out) if t.is_floating_point()]
 
 
-class Capture:
-    """Context manager: attach hooks on enter, remove every one of them on exit.
+class Capture(TableView, Guard):
+    """Context manager: attach hooks on enter, remove every one of them on exit (a Guard: an
+    interrupt at any line leaves the model with no hook of ours).
 
     Forward calls of the model are counted; one in `every` is captured (the first one, then
     every `every`-th), with the backward that follows it. Between captured calls only one
@@ -46,6 +41,7 @@ class Capture:
                  "gradient"), modules: str | Iterable[str] = "*",
                  formats: Iterable[str] = DEFAULT_FORMATS, keep: bool = False,
                  every: int = 1) -> None:
+        Guard.__init__(self, self._attach, self._detach)
         if not isinstance(model, nn.Module):
             raise ValueError(f"capture needs an nn.Module, got {type(model).__name__}")
         self.kinds = tuple(kinds)
@@ -148,7 +144,8 @@ class Capture:
             h.remove()
         self._armed.clear()
 
-    def __enter__(self) -> Capture:
+    def _attach(self) -> Capture:
+        """Hook the model (Guard's enter: all hooks or none, interrupts held back)."""
         try:
             self._targets = [(path, m, [(f"{path}.{n}" if path else n, p)
                                         for n, p in m.named_parameters(recurse=False)])
@@ -162,15 +159,12 @@ class Capture:
             raise
         return self
 
-    def _detach(self) -> None:
+    def _detach(self, _: object = None) -> None:
+        """Remove every hook (Guard's exit). Summaries are computed at the first look."""
         self._disarm()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def __exit__(self, *exc: object) -> None:
-        self._detach()
-        self._flush()
+        while self._handles:
+            self._handles.pop().remove()
+        self._copies.clear()
 
     @property
     def records(self) -> list[TensorStats]:
@@ -199,7 +193,7 @@ class Capture:
         rows = []
         for s in self.records:
             c = s.coverage(f) if s.coverages else None
-            pct = (lambda v: f"{100 * v:.3g}%") if c else (lambda v: "-")
+            pct = format_percent if c else (lambda v: "-")
             rows.append((s.name, s.kind, "x".join(map(str, s.shape)) or "scalar", s.dtype,
                          f"{s.amax:.3g}", f"{s.min_nonzero:.3g}",
                          pct(c.overflow if c else 0), pct(c.underflow if c else 0),
@@ -207,12 +201,6 @@ class Capture:
         return Table(("tensor", "kind", "shape", "dtype", "amax", "min |x|>0",
                       f"{f} overflow", f"{f} underflow", f"{f} subnormal"), rows,
                      caption=f"captured tensors against {f}")
-
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
-
-    def __repr__(self) -> str:
-        return repr(self.table())
 
 
 def capture(model: nn.Module, kinds: Iterable[str] = ("weight", "activation", "gradient"),

@@ -21,11 +21,10 @@ that node's `metadata`, left there).
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from contextlib import ContextDecorator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +34,9 @@ from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ampnb.display import Table
+from ampnb._interrupt import Guard
+from ampnb._tree import tensors
+from ampnb.display import Table, TableView, dtype_name
 
 CATEGORIES = ("lowered", "kept", "promoted", "cast", "other")
 _NODE_KEY = "ampnb_module"  # key in autograd Node.metadata: the module that made the node
@@ -43,36 +44,35 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _local = threading.local()
 
 
-@contextlib.contextmanager
-def internal() -> Iterator[None]:
-    """ampnb's own measuring ops (e.g. capture's summaries) stay out of traces and hunts."""
-    _local.depth = depth = getattr(_local, "depth", 0)
-    _local.depth += 1
-    try:
-        yield
-    finally:
-        _local.depth = depth
+def _deeper() -> int:
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    return depth
+
+
+def _restore_depth(depth: int) -> None:
+    _local.depth = depth
+
+
+class internal(Guard):  # noqa: N801 - used like a function: `with internal():`
+    """`with internal():` keeps ampnb's own measuring ops (capture's summaries, the hunter's
+    checks) out of traces and hunts; an interrupt anywhere leaves the depth as it was."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(_deeper, _restore_depth)
+
+    def __del__(self) -> None:
+        # An interrupt at the `with` line on the way out skips __exit__ (Python 3.11); the
+        # guard is freed as the interrupt unwinds the frame, so the depth is restored here.
+        if getattr(self, "_entered", False):  # unset: __init__ itself was interrupted
+            self.__exit__()
 
 
 def is_internal() -> bool:
     """True while ampnb's own measuring ops run."""
     return bool(getattr(_local, "depth", 0))
-
-
-def _dtype(d: torch.dtype | None) -> str:
-    return "" if d is None else str(d).removeprefix("torch.")
-
-
-def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in an op's args/outputs (a tensor, or lists/tuples/dicts of them)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors_in(v)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from tensors_in(v)
 
 
 @dataclass(frozen=True)
@@ -95,36 +95,46 @@ class OpRow:
 
 def category(op: str, inputs: tuple[str, ...], output: str, cast_from: tuple[str, ...]) -> str:
     """lowered / kept / promoted / cast / other, from the dtypes alone."""
-    floats = [d for d in inputs if d.startswith(("float", "bfloat"))]
-    if not output.startswith(("float", "bfloat")):
+    if not _is_float(output):
         return "other"
-    if op == "_to_copy" and floats and floats[0] != output:
+    floats = [d for d in (*inputs, *cast_from) if _is_float(d)]  # an int cast to float: kept
+    if op == "_to_copy" and _is_float(inputs[0] if inputs else "") and inputs[0] != output:
         return "cast"
-    bits = {d: torch.finfo(getattr(torch, d)).bits for d in (output, *floats, *cast_from)}
+    bits = {d: torch.finfo(getattr(torch, d)).bits for d in (output, *floats)}
     if bits[output] < 32:
         return "lowered"
-    if any(bits[d] < bits[output] for d in (*floats, *cast_from)):
+    if any(bits[d] < bits[output] for d in floats):
         return "promoted"
     return "kept"
 
 
-class ModulePaths:
-    """The path of the module running now, from global forward pre/post hooks."""
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
+class ModulePaths(Guard):
+    """The path of the module running now, from global forward pre/post hooks.
+
+    A Guard: `with ModulePaths() as p:` registers both hooks or neither, and always removes
+    them, whatever line an interrupt comes at.
+    """
 
     def __init__(self) -> None:
+        super().__init__(self.attach, self.detach)
         self.stack: list[tuple[nn.Module, str]] = []
         self._names: dict[tuple[int, int], str] = {}
         self._handles: list[Any] = []
 
-    def __enter__(self) -> ModulePaths:
-        self._handles = [_module.register_module_forward_pre_hook(self._pre),
-                         _module.register_module_forward_hook(self._post, always_call=True)]
+    def attach(self) -> ModulePaths:
+        """Register the two global hooks (call it where interrupts are held back)."""
+        self._handles.append(_module.register_module_forward_pre_hook(self._pre))
+        self._handles.append(_module.register_module_forward_hook(self._post, always_call=True))
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+    def detach(self, _: object = None) -> None:
+        """Remove the hooks that attach() registered."""
+        while self._handles:
+            self._handles.pop().remove()
         self.stack.clear()
 
     @property
@@ -140,7 +150,7 @@ class ModulePaths:
         return self._names[key]
 
     def _pre(self, module: nn.Module, args: Any) -> None:
-        for t in tensors_in(args):  # stop the node labelling of _post at this module's inputs
+        for t in tensors(args):  # stop the node labelling of _post at this module's inputs
             _label(t.grad_fn, self.current, walk=False)
         if not self.stack:
             self.stack.append((module, ""))
@@ -154,7 +164,7 @@ class ModulePaths:
         while self.stack:  # pop to this module even if an inner one raised
             if self.stack.pop()[0] is module:
                 break
-        for t in tensors_in(out):
+        for t in tensors(out):
             _label(t.grad_fn, path, walk=True)
 
 
@@ -178,22 +188,34 @@ def current_node_module() -> tuple[str, str]:
     return "backward", node.metadata.get(_NODE_KEY, "")
 
 
-class OpWatch(TorchDispatchMode):
-    """A dispatch mode that knows the module and phase of each op; subclasses handle ops."""
+class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
+    """A dispatch mode that knows the module and phase of each op; subclasses handle ops.
+
+    Entering pushes the mode and registers the module hooks, both or neither; leaving undoes
+    both (Guard's enter/exit: no line of its own where an interrupt could cut in). `watch(fn)`
+    runs fn inside it with no ampnb line between fn's return and the exit (Python 3.11 runs a
+    line event at a `with` on the way out, and an interrupt there skips __exit__).
+    """
 
     def __init__(self) -> None:
-        super().__init__()
+        Guard.__init__(self, self._attach, self._detach)
+        TorchDispatchMode.__init__(self)
         self.paths = ModulePaths()
 
-    def __enter__(self) -> OpWatch:
-        self.paths.__enter__()  # pushing the mode cannot fail once the hooks are in
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
+    def _attach(self) -> OpWatch:
+        self.paths.attach()
         try:
-            super().__exit__(*exc)
+            TorchDispatchMode.__enter__(self)
+        except BaseException:
+            self.paths.detach()
+            raise
+        return self
+
+    def _detach(self, _: object = None) -> None:
+        try:
+            TorchDispatchMode.__exit__(self, None, None, None)
         finally:
-            self.paths.__exit__()
+            self.paths.detach()
 
     def where(self) -> tuple[str, str]:
         """(phase, module) of the op being dispatched."""
@@ -211,7 +233,7 @@ class OpWatch(TorchDispatchMode):
         """Called after every op with its inputs and outputs."""
 
 
-class OpTrace(OpWatch):
+class OpTrace(TableView, OpWatch):
     """`with trace_ops() as t:` records every op; t.rows, t.counts, t.table()."""
 
     def __init__(self, limit: int = 100_000) -> None:
@@ -224,14 +246,14 @@ class OpTrace(OpWatch):
         self._source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast tensor -> dtype before
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        ins = list(tensors_in((args, kwargs)))
-        outs = list(tensors_in(out))
+        ins = tensors((args, kwargs))
+        outs = tensors(out)
         op = func._schema.name.removeprefix("aten::")
-        in_dt = tuple(_dtype(t.dtype) for t in ins)
-        out_dt = _dtype(outs[0].dtype) if outs else ""
+        in_dt = tuple(dtype_name(t.dtype) for t in ins)
+        out_dt = dtype_name(outs[0].dtype) if outs else ""
         cast_from = tuple(dict.fromkeys(self._source[t] for t in ins if t in self._source))
         if outs and ins:
-            if func is _TO_COPY and ins[0].dtype != outs[0].dtype:
+            if func is _TO_COPY and ins[0].dtype != outs[0].dtype and ins[0].is_floating_point():
                 self._source[outs[0]] = self._source.get(ins[0], in_dt[0])
             elif func.is_view and ins[0] in self._source:
                 self._source[outs[0]] = self._source[ins[0]]
@@ -286,12 +308,6 @@ class OpTrace(OpWatch):
             notes.append(f"t.rows keeps the first {self.limit} ops; counts include all")
         return Table(("module", "op", "phase", "inputs", "output", "cast from", "category",
                       "count"), rows, caption="ops traced (dtype after autocast)", notes=notes)
-
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
-
-    def __repr__(self) -> str:
-        return repr(self.table())
 
 
 def trace_ops(limit: int = 100_000) -> OpTrace:

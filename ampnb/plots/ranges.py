@@ -10,8 +10,9 @@ import torch
 from matplotlib.axes import Axes
 from torch import nn
 
+from ampnb.display import format_percent as _pct
 from ampnb.formats import FloatFormat, get_format
-from ampnb.instruments.coverage_stats import EXP_BINS, Coverage, _pct
+from ampnb.instruments.coverage_stats import EXP_BINS, Coverage
 from ampnb.instruments.summaries import TensorStats, summarize
 from ampnb.plots._axes import new_axes
 
