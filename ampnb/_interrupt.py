@@ -11,6 +11,7 @@ without ampnb. Only the main thread receives signals; elsewhere the sections are
 
 from __future__ import annotations
 
+import _signal  # the C functions behind `signal`: its Python wrappers cost ~12 us a call
 import dis
 import functools
 import signal
@@ -75,7 +76,7 @@ def _raise(frame: FrameType | None) -> None:
 
 def deferring() -> bool:
     """True while ampnb's handler is installed (some Guard or deferred() section is active)."""
-    return signal.getsignal(signal.SIGINT) is _hold
+    return _signal.getsignal(signal.SIGINT) is _hold
 
 
 def _main_thread() -> bool:
@@ -87,7 +88,7 @@ def _install() -> bool:
     if not _main_thread():
         return False
     if _active[0] == 0:
-        _previous[:] = [signal.signal(signal.SIGINT, _hold)]
+        _previous[:] = [_signal.signal(signal.SIGINT, _hold)]
     _active[0] += 1
     return True
 
@@ -96,7 +97,7 @@ def _install() -> bool:
 def _uninstall() -> None:
     _active[0] -= 1
     if _active[0] == 0:
-        signal.signal(signal.SIGINT, _previous.pop() if _previous else signal.default_int_handler)
+        _signal.signal(signal.SIGINT, _previous.pop() if _previous else signal.default_int_handler)
 
 
 def _release(caller: FrameType | None) -> None:
