@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from ampnb._interrupt import deferred
 from ampnb.batch import ALLOWED
 
 
@@ -29,11 +28,12 @@ class BatchCycle:
 
     def __getitem__(self, index: int) -> Any:
         while self._rest is not None and len(self.seen) <= index:
-            with deferred():  # a batch read from the iterable is kept, never dropped half-way
-                try:
-                    self.seen.append(next(self._rest))
-                except StopIteration:
-                    self._rest = None
+            try:
+                # One line: no line for an interrupt to fall on between reading and keeping a
+                # batch. Not held back: a slow or stuck DataLoader must stay interruptible.
+                self.seen.append(next(self._rest))
+            except StopIteration:
+                self._rest = None
         if not self.seen:
             raise ValueError(f"batches is empty; allowed: at least one batch, {ALLOWED}.")
         return self.seen[index % len(self.seen)]

@@ -62,7 +62,15 @@ def _within(context: AbstractContextManager, fn: Callable[[], Any]) -> Any:
 
 def prepare_forward(s: ScalerStepper) -> tuple[torch.Tensor, Any]:
     """The forward and the loss of the next batch; interruptible (nothing kept is changed)."""
-    batch = as_batch(s.batch(s.batch_index), s.loss_fn).to(s.device).convert(s.mode.convert_input)
+    raw = s.batch(s.batch_index)
+    batch = as_batch(raw, s.loss_fn)
+    # A batch seen on the device needs no move (a move or a walk rebuilds every container).
+    if id(raw) not in s._on_device:
+        if any(t.device != s.device for t in tensors((batch.args, batch.kwargs, batch.targets))):
+            batch = batch.to(s.device)
+        else:
+            s._on_device.add(id(raw))  # the cycle keeps raw alive, so its id stays its own
+    batch = batch.convert(s.mode.convert_input)
 
     def compute() -> tuple[torch.Tensor, Any]:
         outputs = batch.call(s.model)

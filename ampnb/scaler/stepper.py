@@ -13,7 +13,7 @@ import torch
 from ampnb._interrupt import deferred
 from ampnb.batch import as_batch
 from ampnb.display import Table
-from ampnb.scaler import stages
+from ampnb.scaler import stages as stage_table
 from ampnb.scaler.batches import BatchCycle
 from ampnb.scaler.records import StageRecord, StepRecord, history_table
 from ampnb.scaler.settings import ScalerSettings
@@ -94,6 +94,7 @@ class ScalerStepper:
         self.loss_fn = loss_fn
         self.settings = settings
         self._loss_access = ".loss"  # how the model's own loss is read; the forward learns it
+        self._on_device: set[int] = set()  # ids of batches found on the device (not moved)
         self._initial = {"model": copy.deepcopy(self.model.state_dict()),
                          "optimizer": copy.deepcopy(optimizer.state_dict())}
         self._start(settings)
@@ -111,7 +112,7 @@ class ScalerStepper:
         self.step_index = 0
         self.batch_index = 0
         self._cursor = 0
-        self._plan = stages.plan(settings.accumulation_steps)
+        self._plan = stage_table.plan(settings.accumulation_steps)
         self._injection: tuple[str, str | None] | None = None
         # The last unscale_'s gradients, scaled and unscaled (flat fp32), and the scale used.
         self.last_grads: dict[str, Any] = {}
@@ -150,7 +151,7 @@ class ScalerStepper:
         return int(self.scaler._get_growth_tracker())  # one read; state_dict() makes two
 
     @property
-    def current_stage(self) -> stages.Stage:
+    def current_stage(self) -> stage_table.Stage:
         """The stage that runs next (or is running)."""
         return self._plan[self._cursor]
 
@@ -161,7 +162,7 @@ class ScalerStepper:
     @property
     def micro_step(self) -> int:
         """Index of the micro-step the next micro stage belongs to."""
-        return min(self._cursor // len(stages.MICRO), self.settings.accumulation_steps - 1)
+        return min(self._cursor // len(stage_table.MICRO), self.settings.accumulation_steps - 1)
 
     @property
     def mid_step(self) -> bool:
@@ -186,16 +187,16 @@ class ScalerStepper:
         return [n for n, m in self.model.named_modules()
                 if any(p.requires_grad for p in m.parameters(recurse=False))]
 
-    def _loop(self) -> stages.Loop:
-        fetch, call = stages.call_text(as_batch(self._data[0], self.loss_fn), self.loss_fn,
+    def _loop(self) -> stage_table.Loop:
+        fetch, call = stage_table.call_text(as_batch(self._data[0], self.loss_fn), self.loss_fn,
                                        self._loss_access)
-        return stages.Loop(self.device.type, self.mode.autocast_dtype, self.mode.name,
+        return stage_table.Loop(self.device.type, self.mode.autocast_dtype, self.mode.name,
                            self.settings.accumulation_steps, self.settings.clip_norm,
                            self.enabled, fetch, call)
 
     def listing(self) -> list[tuple[str | None, str]]:
         """The loop's code, one (stage name or None, line) per line, with this run's settings."""
-        return stages.listing(self._loop())
+        return stage_table.listing(self._loop())
 
     def table(self, last: int | None = None) -> Table:
         """The history as a table (`ampnb.display.Table`)."""
@@ -236,20 +237,29 @@ class ScalerStepper:
         prepared = None if stage.prepare is None else stage.prepare(self)
         # From here the stage happens and is recorded as one: an interrupt waits for its end.
         with deferred():
-            record = stage.run(self, prepared)
-            self.stages.append(record)
-            self._cursor += 1
-            if self._cursor == len(self._plan):
-                self._cursor = 0
-                self.step_index += 1
-                self._clear_step(self._scale_now)  # update() has just read the new scale
+            return self._commit(stage, prepared)
+
+    def _commit(self, stage: stage_table.Stage, prepared: Any) -> StageRecord:
+        """Run a stage and record it; called with SIGINT held back."""
+        record = stage.run(self, prepared)
+        self.stages.append(record)
+        self._cursor += 1
+        if self._cursor == len(self._plan):
+            self._cursor = 0
+            self.step_index += 1
+            self._clear_step(self._scale_now)  # update() has just read the new scale
         return record
 
     def step(self) -> StepRecord:
         """Finish the current optimizer step (all its remaining stages) and return its record."""
         self.next_stage()
-        while self._cursor != 0:
+        while self._cursor and self.current_stage.micro:
             self.next_stage()
+        # The boundary stages are quick (no forward or backward): one held section for them
+        # all, since each section costs two signal.signal calls.
+        with deferred():
+            while self._cursor:
+                self._commit(self.current_stage, None)
         return self.history[-1]
 
     def run(self, n: int) -> list[StepRecord]:
