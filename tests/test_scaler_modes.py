@@ -51,7 +51,9 @@ def test_torch_a_disabled_grad_scaler_step_is_a_plain_optimizer_step():
     ran = []
     opt.register_step_post_hook(lambda *_: ran.append(True))
     x, y = batches[0]
-    scaler.scale(loss_fn(model(x), y)).backward()
+    loss = loss_fn(model(x), y)
+    assert scaler.scale(loss) is loss  # scale() hands the loss back as it is
+    loss.backward()
     for p in model.parameters():
         p.grad.fill_(float("inf"))
     scaler.step(opt)  # no inf check, no skip: optimizer.step() runs
@@ -65,7 +67,9 @@ def test_without_a_scaler_the_listing_and_records_say_inf_reaches_the_weights(mo
     stepper = ScalerStepper(model, opt, loss_fn, batches, mode=mode)
     step_line = next(line for stage, line in stepper.listing() if stage == "step")
     assert "optimizer.step() runs: no inf/NaN check without a GradScaler" in step_line
-    assert "no-op" not in step_line
+    assert not any("no-op" in line for _, line in stepper.listing())
+    backward_line = next(line for stage, line in stepper.listing() if stage == "backward")
+    assert "scale() returns the loss as it is" in backward_line
     clean = stepper.step()
     assert clean.nonfinite_weights == 0
     stepper.inject("inf")

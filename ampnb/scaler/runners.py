@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 # What the listing and the records say where a stage does not act (one text for both).
 NO_SCALER_STEP = "optimizer.step() runs: no inf/NaN check without a GradScaler"
 NO_SCALER = "scaler disabled: returns at once"
+NO_SCALER_BACKWARD = "scaler disabled: scale() returns the loss as it is; plain backward"
 NO_CLIP = "clip_norm off: not called"
 
 
@@ -103,7 +104,7 @@ def backward(s: ScalerStepper, _: Any = None) -> StageRecord:
     scaled.backward()
     s._loss = None
     note = ("gradients are scaled (x scale) and summed over micro-steps" if s.enabled
-            else "scaler disabled: scale() returns the loss as it is; plain backward")
+            else NO_SCALER_BACKWARD)
     if s._injection is not None:
         s._notes["injected"], count = s._apply_injection()
         note = f"injected {s._notes['injected']} ({count} gradient values); " + note

@@ -35,8 +35,9 @@ def _forward_code(loop: Loop) -> tuple[str, ...]:
     return context, "    " + loop.call
 
 
-def _when_enabled(code: str, enabled: str) -> Callable[[Loop], tuple[str, ...]]:
-    return lambda loop: (f"{code}  # {enabled if loop.enabled else r.NO_SCALER}",)
+def _when_enabled(code: str, enabled: str,
+                  disabled: str = r.NO_SCALER) -> Callable[[Loop], tuple[str, ...]]:
+    return lambda loop: (f"{code}  # {enabled if loop.enabled else disabled}",)
 
 
 def _step_code(loop: Loop) -> tuple[str, ...]:
@@ -68,7 +69,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("forward", True, _forward_code, r.forward, r.prepare_forward),
     Stage("divide", True, lambda loop: (f"loss = loss / {loop.accumulation_steps}",), r.divide),
     Stage("backward", True, _when_enabled("scaler.scale(loss).backward()",
-                                          "gradients x scale, summed"), r.backward),
+                                          "gradients x scale, summed", r.NO_SCALER_BACKWARD),
+          r.backward),
     Stage("unscale", False, _when_enabled("scaler.unscale_(optimizer)",
                                           "divides by the scale, checks inf/NaN"), r.unscale),
     Stage("clip", False, _clip_code, r.clip),
