@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 
@@ -290,3 +291,38 @@ def test_any_schedule_of_faults_matches_torch(accum, interval, backoff, growth, 
     assert [r.new_scale for r in stepper.history] == ref_scales
     assert [r.skipped for r in stepper.history] == [s in inject_at for s in range(6)]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_one_stage_table_drives_the_plan_the_runners_and_the_listing():
+    from ampnb.scaler.stages import STAGES as TABLE
+
+    model, opt, loss_fn, batches = make()
+    stepper = ScalerStepper(model, opt, loss_fn, batches, accumulation_steps=2, clip_norm=0.05)
+    micro = [s for s in TABLE if s.micro]
+    plan = [s.name for s in micro] * 2 + [s.name for s in TABLE if not s.micro]
+    assert [s.name for s in stepper._plan] == plan
+    listing = stepper.listing()
+    assert list(dict.fromkeys(stage for stage, _ in listing if stage)) == [s.name for s in TABLE]
+    loop = stepper._loop()
+    for s in TABLE:  # every line the listing shows for a stage is that stage's code, and only it
+        shown = [line.strip() for stage, line in listing if stage == s.name]
+        assert shown == [line.strip() for line in s.code(loop)]
+    # The runner that ran each stage is the table's: the records come back in the plan's order.
+    calls = []
+    stepper._plan = tuple(dataclasses.replace(
+        s, run=lambda st, prepared, _s=s: (calls.append(_s.name), _s.run(st, prepared))[1])
+        for s in stepper._plan)
+    records = [stepper.next_stage() for _ in plan]
+    assert calls == [r.stage for r in records] == plan
+
+
+def test_inject_into_a_frozen_layer_is_refused_and_changes_nothing():
+    model, opt, loss_fn, batches = make()
+    model[0].requires_grad_(False)  # a frozen layer: no gradient to make inf
+    stepper = ScalerStepper(model, opt, loss_fn, batches)
+    with pytest.raises(ValueError, match=r"layer='0'.*one of \['2'\]") as err:
+        stepper.inject("inf", layer="0")
+    assert "\n" not in str(err.value)
+    assert stepper.layers == ["2"]
+    record = stepper.step()
+    assert record.injected == "" and not record.found_inf and not record.skipped

@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from ampnb.formats import get_format
+from ampnb.scaler.records import format_scale
 
 _LR = 0.1
 
@@ -34,10 +35,6 @@ def _norm(model: torch.nn.Module) -> float:
     return torch.linalg.vector_norm(torch.cat(grads)).item()
 
 
-def _pow2(v: float) -> str:
-    return f"{v:g} (2^{torch.tensor(v).log2().item():g})" if v > 0 else f"{v:g}"
-
-
 def unscale_twice() -> tuple[str, dict]:
     model, opt, x, y = _tiny()
     scaler = torch.amp.GradScaler("cpu")
@@ -47,7 +44,7 @@ def unscale_twice() -> tuple[str, dict]:
     try:
         scaler.unscale_(opt)
     except RuntimeError as err:
-        return str(err), {"scale": _pow2(scaler.get_scale()), "norm": f"{once:.4g}"}
+        return str(err), {"scale": format_scale(scaler.get_scale()), "norm": f"{once:.4g}"}
     raise AssertionError("torch accepted unscale_() twice")  # torch changed: the test will say
 
 
@@ -66,7 +63,7 @@ def clip_scaled(clip_norm: float = 1.0) -> tuple[str, dict]:
     true = _norm(model2)
     torch.nn.utils.clip_grad_norm_(model2.parameters(), clip_norm)  # the right order
     right = _norm(model2)
-    return "", {"scale": _pow2(scaler.get_scale()), "scaled": f"{scaled:.4g}",
+    return "", {"scale": format_scale(scaler.get_scale()), "scaled": f"{scaled:.4g}",
                 "true": f"{true:.4g}", "clip": clip_norm, "wrong": f"{wrong:.4g}",
                 "right": f"{right:.4g}", "ratio": f"{right / wrong:.4g}"}
 
@@ -104,7 +101,7 @@ def scheduler_before_step() -> tuple[str, dict]:
         scaler.update()
         scheduler.step()
     message = next((str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)), "")
-    return message, {"scale": _pow2(scale), "found_inf": found, "new": _pow2(scaler.get_scale())}
+    return message, {"scale": format_scale(scale), "found_inf": found, "new": format_scale(scaler.get_scale())}
 
 
 def scale_collapse(steps: int = 20) -> tuple[str, dict]:
@@ -122,8 +119,8 @@ def scale_collapse(steps: int = 20) -> tuple[str, dict]:
         opt.zero_grad(set_to_none=True)
         scales.append(scaler.get_scale())
     wmax = max(p.detach().abs().max().item() for p in model.parameters())
-    return "", {"steps": steps, "skipped": skipped, "first": _pow2(2.0**16),
-                "final": _pow2(scales[-1]), "wmax": f"{wmax:.3g}", **format_ranges()}
+    return "", {"steps": steps, "skipped": skipped, "first": format_scale(2.0**16),
+                "final": format_scale(scales[-1]), "wmax": f"{wmax:.3g}", **format_ranges()}
 
 
 def format_ranges() -> dict:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ampnb.scaler import cases
+from ampnb.scaler.records import format_scale
 
 _SILENT = "(torch says nothing: no error, no warning)"
 
@@ -154,8 +155,8 @@ def diagnose(stepper: Any) -> list[Guidance]:
     if history and history[0].skipped:
         # This run's own figures, not the demo's: the panel shows it next to this run.
         c, first = GUIDANCE["scheduler_before_step"], history[0]
-        figures = {"scale": cases._pow2(first.scale), "found_inf": first.found_inf,
-                   "new": cases._pow2(first.new_scale)}
+        figures = {"scale": format_scale(first.scale), "found_inf": first.found_inf,
+                   "new": format_scale(first.new_scale)}
         found.append(Guidance("scheduler_before_step", c.title,
                               explain("scheduler_before_step").torch_says,
                               c.words.format(**figures), c.fix))

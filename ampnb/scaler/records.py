@@ -13,29 +13,6 @@ from ampnb.display import Table
 
 
 @dataclass(frozen=True)
-class Stage:
-    """One stage of the canonical AMP loop and the line of code that performs it."""
-
-    name: str
-    code: str
-    micro: bool  # True for the stages repeated once per micro-step
-
-
-# nanoGPT's order (STYLE.md); the listing in the panel is built from these lines.
-STAGES: tuple[Stage, ...] = (
-    Stage("forward", "with autocast:  loss = loss_fn(model(x), y)", True),
-    Stage("divide", "loss = loss / accumulation_steps", True),
-    Stage("backward", "scaler.scale(loss).backward()", True),
-    Stage("unscale", "scaler.unscale_(optimizer)", False),
-    Stage("clip", "clip_grad_norm_(model.parameters(), clip_norm)", False),
-    Stage("step", "scaler.step(optimizer)", False),
-    Stage("update", "scaler.update()", False),
-    Stage("zero_grad", "optimizer.zero_grad(set_to_none=True)", False),
-)
-STAGE_BY_NAME = {s.name: s for s in STAGES}
-
-
-@dataclass(frozen=True)
 class GradStats:
     """Summary of all parameter gradients at one moment (fp32 arithmetic)."""
 
@@ -155,6 +132,9 @@ class StepRecord:
     grad_norm_clipped: float
     clipped: bool
     injected: str = ""
+    # inf/NaN weight values after a step whose gradients held inf/NaN (0 when they held none):
+    # without a GradScaler nothing skips such a step, and this says what it did to the weights.
+    nonfinite_weights: int = 0
 
     @property
     def loss(self) -> float:
@@ -176,9 +156,10 @@ def history_table(history: Sequence[StepRecord], last: int | None = None) -> Tab
     rows = [
         (r.step, f"{r.loss:.5g}", format_scale(r.scale), format_scale(r.new_scale),
          r.growth_tracker, r.found_inf, r.skipped, f"{r.grad_norm_scaled:.4g}",
-         f"{r.grad_norm_unscaled:.4g}", "yes" if r.clipped else "no", r.injected or "-")
+         f"{r.grad_norm_unscaled:.4g}", "yes" if r.clipped else "no", r.injected or "-",
+         r.nonfinite_weights)
         for r in (history if last is None else history[-last:])
     ]
     headers = ("step", "loss", "scale", "new scale", "growth tracker", "found_inf", "skipped",
-               "|g| scaled", "|g| unscaled", "clipped", "injected")
+               "|g| scaled", "|g| unscaled", "clipped", "injected", "non-finite weights")
     return Table(headers, rows, caption="GradScaler history (one row per optimizer step)")

@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
+from ampnb._interrupt import deferred
+from ampnb.batch import as_batch
 from ampnb.display import Table
+from ampnb.scaler import stages as stage_table
 from ampnb.scaler.batches import BatchCycle
 from ampnb.scaler.records import StageRecord, StepRecord, history_table
 from ampnb.scaler.settings import ScalerSettings
-from ampnb.scaler.stages import RUNNERS
 
 _INJECT = {"inf": float("inf"), "nan": float("nan")}
 _KEEP_STAGES = 10_000
@@ -40,6 +42,9 @@ def _resolve_device(model: torch.nn.Module, mode: Any,
 
 
 def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={optimizer!r} is not allowed; allowed: an optimizer "
+                         f"instance, e.g. torch.optim.AdamW(model.parameters()).")
     own = {id(p) for p in model.parameters()}
     held = [p for g in optimizer.param_groups for p in g["params"]]
     if not any(id(p) in own for p in held):
@@ -62,7 +67,7 @@ class ScalerStepper:
     """Walk forward, divide, scaled backward, unscale_, clip, step, update, zero_grad; record all."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], batches: Iterable[Any],
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, batches: Iterable[Any],
                  mode: Any = "16-mixed", device: str | torch.device | None = None,
                  accumulation_steps: int = 1, clip_norm: float | None = None,
                  init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -78,12 +83,18 @@ class ScalerStepper:
         _check_optimizer(model, optimizer)
         self.enabled = _resolve_enabled(self.mode, enabled)
         self._data = BatchCycle(batches)
+        try:  # the first batch says whether the batches fit the loss_fn (or the model's loss)
+            as_batch(self._data[0], loss_fn)
+        except ValueError as err:
+            raise ValueError(f"batches[0]: {err}") from None
         self.mode.check(self.device)
         converted = self.mode.convert_module(model)
         self.model = model if converted is None else converted
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.settings = settings
+        self._loss_access = ".loss"  # how the model's own loss is read; the forward learns it
+        self._on_device: set[int] = set()  # ids of batches found on the device (not moved)
         self._initial = {"model": copy.deepcopy(self.model.state_dict()),
                          "optimizer": copy.deepcopy(optimizer.state_dict())}
         self._start(settings)
@@ -101,8 +112,7 @@ class ScalerStepper:
         self.step_index = 0
         self.batch_index = 0
         self._cursor = 0
-        self._plan = ("forward", "divide", "backward") * settings.accumulation_steps + (
-            "unscale", "clip", "step", "update", "zero_grad")
+        self._plan = stage_table.plan(settings.accumulation_steps)
         self._injection: tuple[str, str | None] | None = None
         # The last unscale_'s gradients, scaled and unscaled (flat fp32), and the scale used.
         self.last_grads: dict[str, Any] = {}
@@ -113,7 +123,7 @@ class ScalerStepper:
         self._flat: torch.Tensor | None = None
         self._losses: list[float] = []
         self._step_scale = self._scale_now = self.scale if scale is None else scale
-        self._notes: dict[str, Any] = {"injected": ""}
+        self._notes: dict[str, Any] = {"injected": "", "nonfinite_weights": 0}
 
     def reset(self, **changes: Any) -> None:
         """Back to the initial model/optimizer state, with new settings (e.g. init_scale=2.**10)."""
@@ -122,10 +132,11 @@ class ScalerStepper:
             allowed = ", ".join(f.name for f in dataclasses.fields(ScalerSettings))
             raise ValueError(f"reset() got {sorted(bad)}; allowed: {allowed}.")
         settings = dataclasses.replace(self.settings, **changes)  # validates first
-        self.model.load_state_dict(self._initial["model"])
-        self.optimizer.load_state_dict(self._initial["optimizer"])
-        self.optimizer.zero_grad(set_to_none=True)
-        self._start(settings)
+        with deferred():  # all of it or, interrupted, still all of it
+            self.model.load_state_dict(self._initial["model"])
+            self.optimizer.load_state_dict(self._initial["optimizer"])
+            self.optimizer.zero_grad(set_to_none=True)
+            self._start(settings)
 
     # ----- what a learner reads -----------------------------------------------------------
 
@@ -140,13 +151,18 @@ class ScalerStepper:
         return int(self.scaler._get_growth_tracker())  # one read; state_dict() makes two
 
     @property
-    def next_stage_name(self) -> str:
+    def current_stage(self) -> stage_table.Stage:
+        """The stage that runs next (or is running)."""
         return self._plan[self._cursor]
+
+    @property
+    def next_stage_name(self) -> str:
+        return self._plan[self._cursor].name
 
     @property
     def micro_step(self) -> int:
         """Index of the micro-step the next micro stage belongs to."""
-        return min(self._cursor // 3, self.settings.accumulation_steps - 1)
+        return min(self._cursor // len(stage_table.MICRO), self.settings.accumulation_steps - 1)
 
     @property
     def mid_step(self) -> bool:
@@ -167,31 +183,20 @@ class ScalerStepper:
 
     @property
     def layers(self) -> list[str]:
-        """Names of the modules that own parameters directly (targets for inject)."""
+        """Names of the modules that own trainable parameters directly (targets for inject)."""
         return [n for n, m in self.model.named_modules()
-                if any(True for _ in m.parameters(recurse=False))]
+                if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+    def _loop(self) -> stage_table.Loop:
+        fetch, call = stage_table.call_text(as_batch(self._data[0], self.loss_fn), self.loss_fn,
+                                       self._loss_access)
+        return stage_table.Loop(self.device.type, self.mode.autocast_dtype, self.mode.name,
+                           self.settings.accumulation_steps, self.settings.clip_norm,
+                           self.enabled, fetch, call)
 
     def listing(self) -> list[tuple[str | None, str]]:
         """The loop's code, one (stage name or None, line) per line, with this run's settings."""
-        dtype = self.mode.autocast_dtype
-        acc = self.settings.accumulation_steps
-        clip = "" if self.settings.clipping else "    # clip_norm off: no-op"
-        off = "" if self.enabled else "  # scaler disabled: no-op"
-        forward = (f"    with torch.autocast({self.device.type!r}, dtype={dtype}):" if dtype
-                   else f"    with nullcontext():  # {self.mode.name}: no autocast")
-        return [
-            (None, f"for micro_step in range({acc}):"),
-            (None, "    x, y = next(batches)"),
-            ("forward", forward),
-            ("forward", "        loss = loss_fn(model(x), y)"),
-            ("divide", f"    loss = loss / {acc}"),
-            ("backward", "    scaler.scale(loss).backward()" + off),
-            ("unscale", "scaler.unscale_(optimizer)" + off),
-            ("clip", f"clip_grad_norm_(model.parameters(), {self.settings.clip_norm}){clip}"),
-            ("step", "scaler.step(optimizer)" + (off or "       # skipped if found_inf")),
-            ("update", "scaler.update()" + (off or "              # backoff or growth")),
-            ("zero_grad", "optimizer.zero_grad(set_to_none=True)"),
-        ]
+        return stage_table.listing(self._loop())
 
     def table(self, last: int | None = None) -> Table:
         """The history as a table (`ampnb.display.Table`)."""
@@ -204,26 +209,39 @@ class ScalerStepper:
         if kind not in _INJECT:
             raise ValueError(f"kind={kind!r} is not allowed; allowed: {', '.join(_INJECT)}.")
         if layer is not None and layer not in self.layers:
-            raise ValueError(f"layer={layer!r} is not a module with parameters; "
-                             f"allowed: None (all) or one of {self.layers}.")
+            # A frozen layer (requires_grad=False) has no gradient to make inf or NaN.
+            raise ValueError(f"layer={layer!r} is not a module with trainable parameters (no "
+                             f"gradients to inject into); allowed: None (all) or one of "
+                             f"{self.layers}.")
         self._injection = (kind, layer)
 
-    def _apply_injection(self) -> str:
+    def _apply_injection(self) -> tuple[str, int]:
+        """Fill the chosen gradients; returns the record's text and how many values changed."""
         kind, layer = self._injection
         self._injection = None
         target = self.model if layer is None else self.model.get_submodule(layer)
+        count = 0
         with torch.no_grad():
             for p in target.parameters(recurse=layer is None):
                 if p.grad is not None:
                     p.grad.fill_(_INJECT[kind])
-        return f"{kind} in {layer or 'all'}"
+                    count += p.grad.numel()
+        return f"{kind} in {layer or 'all'}", count
 
     # ----- running ------------------------------------------------------------------------
 
     def next_stage(self) -> StageRecord:
         """Run the next stage of the loop and return its record."""
-        name = self._plan[self._cursor]
-        record = RUNNERS[name](self)
+        stage = self._plan[self._cursor]
+        # The forward's work can be interrupted: until the stage commits, nothing kept changed.
+        prepared = None if stage.prepare is None else stage.prepare(self)
+        # From here the stage happens and is recorded as one: an interrupt waits for its end.
+        with deferred():
+            return self._commit(stage, prepared)
+
+    def _commit(self, stage: stage_table.Stage, prepared: Any) -> StageRecord:
+        """Run a stage and record it; called with SIGINT held back."""
+        record = stage.run(self, prepared)
         self.stages.append(record)
         self._cursor += 1
         if self._cursor == len(self._plan):
@@ -235,8 +253,13 @@ class ScalerStepper:
     def step(self) -> StepRecord:
         """Finish the current optimizer step (all its remaining stages) and return its record."""
         self.next_stage()
-        while self._cursor != 0:
+        while self._cursor and self.current_stage.micro:
             self.next_stage()
+        # The boundary stages are quick (no forward or backward): one held section for them
+        # all, since each section costs two signal.signal calls.
+        with deferred():
+            while self._cursor:
+                self._commit(self.current_stage, None)
         return self.history[-1]
 
     def run(self, n: int) -> list[StepRecord]:
@@ -272,16 +295,18 @@ class ScalerStepper:
                              f"allowed: this stepper's mode {here[0]!r}, enabled={here[1]}.")
         settings = ScalerSettings(**state["settings"])
         history = [r if isinstance(r, StepRecord) else StepRecord(**r) for r in state["history"]]
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        self.optimizer.zero_grad(set_to_none=True)
-        self._start(settings)
-        if self.enabled:
-            self.scaler.load_state_dict(state["scaler"])
-        self.step_index = state["step_index"]
-        self.batch_index = state["batch_index"]
-        self.history = history
-        self._clear_step()
+        optimizer_state = copy.deepcopy(state["optimizer"])
+        with deferred():  # all of it or, interrupted, still all of it
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(optimizer_state)
+            self.optimizer.zero_grad(set_to_none=True)
+            self._start(settings)
+            if self.enabled:
+                self.scaler.load_state_dict(state["scaler"])
+            self.step_index = state["step_index"]
+            self.batch_index = state["batch_index"]
+            self.history = history
+            self._clear_step()
 
     def __repr__(self) -> str:
         return (f"ScalerStepper(mode={self.mode.name!r}, step={self.step_index}, next stage "
