@@ -218,6 +218,9 @@ def test_dict_batches_with_the_models_own_loss_match_a_hand_loop():
         losses.append(loss.item())
     assert [r.loss for r in wb.run(3)] == losses and same(weights(wb.model), weights(ref))
     assert wb.history[0].output_dtype == torch.float32
+    other = _OwnLoss()
+    again = Workbench(other, torch.optim.SGD(other.parameters(), lr=0.1), None, iter(batches))
+    assert again.batches == batches and again.run(2)  # an iterator is read once, into a list
 
 
 @pytest.mark.parametrize("bad", [None, 3, [], [None]])

@@ -54,8 +54,9 @@ def _output_dtype(raw: Any) -> torch.dtype | None:
     return None if found is None else found.dtype
 
 
-def _check_inputs(model: Any, optimizer: Any, loss_fn: Any, batches: Any) -> list[Batch]:
-    """The user's batches as Batches (ValueError naming what is allowed)."""
+def _check_inputs(model: Any, optimizer: Any, loss_fn: Any,
+                  batches: Any) -> tuple[list[Any], list[Batch]]:
+    """The user's batches as a list, and as Batches (ValueError naming what is allowed)."""
     if not isinstance(model, nn.Module) or next(iter(model.parameters()), None) is None:
         raise ValueError(f"model={type(model).__name__} is not allowed; allowed: a torch.nn.Module "
                          f"with parameters.")
@@ -73,10 +74,10 @@ def _check_inputs(model: Any, optimizer: Any, loss_fn: Any, batches: Any) -> lis
     if isinstance(batches, (str, bytes, Batch)) or not isinstance(batches, Iterable):
         raise ValueError(f"batches={batches!r:.60} is not allowed; allowed: a non-empty list of "
                          f"batches, each {ALLOWED}.")
-    found = [as_batch(b, loss_fn) for b in batches]
-    if not found:
+    given = batches if isinstance(batches, list) else list(batches)
+    if not given:
         raise ValueError(f"batches is empty; allowed: a non-empty list of batches, each {ALLOWED}.")
-    return found
+    return given, [as_batch(b, loss_fn) for b in given]
 
 
 def _check_tf32(tf32: Any) -> None:
@@ -110,7 +111,7 @@ class Workbench(TableView):
                  loss_fn: Callable[..., torch.Tensor] | None = None, batches: Iterable[Any] = None,
                  mode: str | int | PrecisionMode | None = None,
                  device: str | torch.device | None = None, tf32: bool = False) -> None:
-        self._batches = _check_inputs(model, optimizer, loss_fn, batches)
+        given, self._batches = _check_inputs(model, optimizer, loss_fn, batches)
         _check_tf32(tf32)
         dev = resolve_device(device if device is not None else next(model.parameters()).device)
         current = param_dtype(model)
@@ -118,7 +119,7 @@ class Workbench(TableView):
         chosen = described if mode is None else get_mode(mode)
         chosen.check(dev)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
-        self.batches = batches if isinstance(batches, list) else list(batches)
+        self.batches = given
         self.history: list[StepRecord] = []
         self.notes: list[str] = []
         self._pending: list[str] = []
