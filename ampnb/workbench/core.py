@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._tree import tensors
-from ampnb.batch import ALLOWED, Batch, as_batch, model_loss, step_loss
+from ampnb.batch import step_loss
 from ampnb.device import get_device, sync
 from ampnb.device import tf32 as tf32_switch  # `tf32` is also a parameter and property here
 from ampnb.display import Table, TableView
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.workbench.inputs import check_inputs, output_dtype
 from ampnb.workbench.records import StepRecord, history_table, nonfinite_note, speedup
 from ampnb.workbench.state import (
     Master,
@@ -44,40 +44,6 @@ class PrecisionLossWarning(UserWarning):
 def resolve_device(device: str | torch.device) -> torch.device:
     """A present device by name (ValueError names the available ones)."""
     return torch.device(get_device(str(device)).name)
-
-
-def _output_dtype(raw: Any) -> torch.dtype | None:
-    """The dtype of the model's first floating output that is not its own loss."""
-    loss = model_loss(raw)
-    floats = [t for t in tensors(raw) if t.is_floating_point()]
-    found = next((t for t in floats if t is not loss), loss)
-    return None if found is None else found.dtype
-
-
-def _check_inputs(model: Any, optimizer: Any, loss_fn: Any,
-                  batches: Any) -> tuple[list[Any], list[Batch]]:
-    """The user's batches as a list, and as Batches (ValueError naming what is allowed)."""
-    if not isinstance(model, nn.Module) or next(iter(model.parameters()), None) is None:
-        raise ValueError(f"model={type(model).__name__} is not allowed; allowed: a torch.nn.Module "
-                         f"with parameters.")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer={type(optimizer).__name__} is not allowed; allowed: a "
-                         f"torch.optim.Optimizer built on model.parameters().")
-    own = {id(p) for p in model.parameters()}
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    if not held or any(id(p) not in own for p in held):
-        raise ValueError(f"optimizer {type(optimizer).__name__} holds parameters that are not the "
-                         f"model's; allowed: an optimizer built on model.parameters().")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ValueError(f"loss_fn={loss_fn!r} is not allowed; allowed: a callable (outputs, "
-                         f"targets), or None for the model's own loss.")
-    if isinstance(batches, (str, bytes, Batch)) or not isinstance(batches, Iterable):
-        raise ValueError(f"batches={batches!r:.60} is not allowed; allowed: a non-empty list of "
-                         f"batches, each {ALLOWED}.")
-    given = batches if isinstance(batches, list) else list(batches)
-    if not given:
-        raise ValueError(f"batches is empty; allowed: a non-empty list of batches, each {ALLOWED}.")
-    return given, [as_batch(b, loss_fn) for b in given]
 
 
 def _check_tf32(tf32: Any) -> None:
@@ -111,7 +77,7 @@ class Workbench(TableView):
                  loss_fn: Callable[..., torch.Tensor] | None = None, batches: Iterable[Any] = None,
                  mode: str | int | PrecisionMode | None = None,
                  device: str | torch.device | None = None, tf32: bool = False) -> None:
-        given, self._batches = _check_inputs(model, optimizer, loss_fn, batches)
+        given, self._batches = check_inputs(model, optimizer, loss_fn, batches)
         _check_tf32(tf32)
         dev = resolve_device(device if device is not None else next(model.parameters()).device)
         current = param_dtype(model)
@@ -181,7 +147,7 @@ class Workbench(TableView):
             with MemoryMeter(device) as meter:
                 with mode.forward_context(device):
                     raw = run.call(model)
-                out_dtype = _output_dtype(raw)
+                out_dtype = output_dtype(raw)
                 loss = step_loss(mode.convert_output(raw), run, self.loss_fn)
                 if scaler is None:
                     loss.backward()
