@@ -97,7 +97,7 @@ class Workbench(TableView):
         self._master, self._steps_here, self._cursor = self._initial[0], 0, 0
         self.scaler: torch.amp.GradScaler | None = None
         self._scaler_state: dict[str, Any] | None = None
-        all_or_nothing(self._change(self._start), self._rollback)
+        all_or_nothing(self._change(lambda _cp: self._start()), self._rollback)
 
     # ----- settings -----------------------------------------------------------------------
 
@@ -125,12 +125,12 @@ class Workbench(TableView):
         _check_tf32(tf32)
         new_mode.check(new_device)  # everything is validated before anything changes
         # The last line: past this call the switch is done or undone, never half of it.
-        return all_or_nothing(self._change(lambda: self._switch(new_mode, new_device, tf32)),
+        return all_or_nothing(self._change(lambda cp: self._switch(new_mode, new_device, tf32, cp)),
                               self._rollback)
 
     def restore(self) -> None:
         """Back to the weights, optimizer state and settings the Workbench was made with."""
-        all_or_nothing(self._change(self._start), self._rollback)
+        all_or_nothing(self._change(lambda _cp: self._start()), self._rollback)
 
     # ----- running ------------------------------------------------------------------------
 
@@ -214,18 +214,20 @@ class Workbench(TableView):
 
     # ----- switching: each change is all-or-nothing (see all_or_nothing) ------------------
 
-    def _change(self, change: Callable[[], tuple[str, ...]]) -> Callable[[], tuple[_Checkpoint, Any]]:
-        """change() wrapped so that an exception in it puts everything back before it rises."""
+    def _change(self, change: Callable[[_Checkpoint], Any]) -> Callable[[], tuple[_Checkpoint, Any]]:
+        """change(checkpoint) wrapped so that an exception in it puts everything back first."""
         def run() -> tuple[_Checkpoint, Any]:
             saved = self._checkpoint()
             try:
-                return saved, change()
+                return saved, change(saved)
             except BaseException:
                 self._rollback((saved, None))
                 raise
         return run
 
     def _checkpoint(self) -> _Checkpoint:
+        # Nothing trained since the master was loaded: it reloads bit for bit (and keeps fp32
+        # values a true mode rounded); else the live state, copied.
         exact = self._master if self._steps_here == 0 else Master.take(self.model, self.optimizer)
         return _Checkpoint(self._mode, self._device, exact, self._master, self._steps_here,
                            self._tf32, self.scaler, self._scaler_state, self._cursor,
@@ -253,12 +255,13 @@ class Workbench(TableView):
         self._apply(mode, device, master)
         return ()
 
-    def _switch(self, mode: PrecisionMode, device: torch.device, tf32: bool | None) -> tuple[str, ...]:
+    def _switch(self, mode: PrecisionMode, device: torch.device, tf32: bool | None,
+                saved: _Checkpoint) -> tuple[str, ...]:
         if tf32 is not None:
             self._tf32 = bool(tf32)
         if mode is self._mode and device == self._device:
             return ()
-        master, notes = self._current_master(mode)
+        master, notes = self._current_master(mode, saved.exact)
         self._apply(mode, device, master)
         self.notes.extend(notes)
         self._pending.extend(notes)
@@ -266,12 +269,9 @@ class Workbench(TableView):
             warnings.warn(note, PrecisionLossWarning, stacklevel=6)  # the caller of set()
         return notes
 
-    def _current_master(self, new_mode: PrecisionMode) -> tuple[Master, tuple[str, ...]]:
-        """The state to carry into new_mode, and notes on what it could not keep."""
-        if self._steps_here == 0:
-            master = self._master  # nothing trained since it was taken: bit-identical
-        else:
-            master = Master.take(self.model, self.optimizer)
+    def _current_master(self, new_mode: PrecisionMode,
+                        master: Master) -> tuple[Master, tuple[str, ...]]:
+        """The state to carry into new_mode (the checkpoint's), and notes on what it could not keep."""
         notes = []
         old = self._mode.name
         if self._steps_here and master.source_dtype in _NARROW:
