@@ -120,6 +120,8 @@ def test_bad_input_is_one_line_value_error():
         ampnb.memory_report(model, x, modes=["17-true"])
     with pytest.raises(ValueError, match="at least one mode"):
         ampnb.memory_report(model, x, modes=[])
+    with pytest.raises(ValueError, match=r"loss_fn=Tensor is not allowed.*\(inputs, targets\)"):
+        ampnb.memory_report(model, x, y)  # the old form: inputs and targets apart
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -189,6 +189,10 @@ def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None
                          "memory_meter() measures its activations alone")
     if batch is None:
         raise ValueError("measure_memory needs inputs (a batch), or a Demo that has batches")
+    if loss_fn is not None and not callable(loss_fn):  # e.g. the old (model, x, y) call form
+        raise ValueError(f"loss_fn={type(loss_fn).__name__} is not allowed; allowed: a callable "
+                         f"(outputs, targets) or None, with the batch as one argument: "
+                         f"memory_report(model, (inputs, targets), loss_fn).")
     run = as_batch(batch, loss_fn)
     m = get_mode(mode)
     dev = torch.device(device or next(model.parameters()).device)

@@ -15,7 +15,7 @@ from torch import nn
 from ampnb.batch import step_loss
 from ampnb.device import get_device, sync
 from ampnb.device import tf32 as tf32_switch  # `tf32` is also a parameter and property here
-from ampnb.display import Table, TableView
+from ampnb.display import Table, TableView, dtype_name
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
 from ampnb.workbench.inputs import check_inputs, output_dtype
@@ -206,7 +206,7 @@ class Workbench(TableView):
 
     def __repr__(self) -> str:
         return (f"Workbench(mode={self._mode.name!r}, device={str(self._device)!r}, "
-                f"tf32={self._tf32}, params={str(self.param_dtype).removeprefix('torch.')}, "
+                f"tf32={self._tf32}, params={dtype_name(self.param_dtype)}, "
                 f"steps={len(self.history)})")
 
     def _repr_html_(self) -> str:
@@ -275,7 +275,7 @@ class Workbench(TableView):
         notes = []
         old = self._mode.name
         if self._steps_here and master.source_dtype in _NARROW:
-            kind = str(master.source_dtype).removeprefix("torch.")
+            kind = dtype_name(master.source_dtype)
             notes.append(f"{old} -> {new_mode.name}: the weights and optimizer state after "
                          f"{self._steps_here} step(s) in {old} hold {kind} values; they are "
                          f"carried forward as the new master (the earlier fp32 master is gone).")

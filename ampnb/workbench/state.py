@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import Guard
+from ampnb.display import dtype_name
 
 _NARROW = (torch.float16, torch.bfloat16)
 
@@ -76,7 +77,7 @@ def param_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of the model's floating parameters (ValueError when they differ)."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if len(dtypes) != 1:
-        names = sorted(str(d).removeprefix("torch.") for d in dtypes) or ["none"]
+        names = sorted(dtype_name(d) for d in dtypes) or ["none"]
         raise ValueError(f"model has floating parameters in {', '.join(names)}; allowed: "
                          f"a model whose floating parameters share one dtype.")
     return dtypes.pop()
