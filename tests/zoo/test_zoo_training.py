@@ -121,3 +121,27 @@ def test_range_explorer_leaves_the_model_bit_identical(name):
     assert _same(_bits(case.model), before)  # BatchNorm's running stats and counter too
     assert panel.kinds == ("weight", "activation", "gradient")  # the model's own loss
     assert all(p.grad is None for p in case.model.parameters())
+
+
+def test_amp_memory_cell_measures_a_zoo_model_like_memory_meter():
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    from ampnb.instruments.memory import MemoryMeter
+
+    case = BUILDERS["gpt2"]()  # keyword inputs, Conv1D, the model's own loss
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "ampnb")
+    try:
+        ip.user_ns.update(model=case.model, batch=case.batch)
+        with capture_output():
+            ip.run_cell_magic("amp", "bf16-mixed --memory -o r",
+                              "out = model(**batch)\nout.loss.backward()")
+        (meter,) = [e for e in ip.user_ns["r"].extras if isinstance(e, MemoryMeter)]
+    finally:
+        ip.run_line_magic("unload_ext", "ampnb")
+        for name in ("model", "batch", "out", "r"):
+            ip.user_ns.pop(name, None)
+    with memory_meter() as hand, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = case.model(**case.batch).loss
+    assert meter.peak_bytes == hand.peak_bytes > 0 and loss.dtype == torch.float32
