@@ -5,11 +5,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
+import signal
+import sys
 
 import pytest
 import torch
 
+import ampnb.workbench
+from ampnb import _interrupt
+
 CPU_MODES = ["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true"]
+WORKBENCH_DIR = os.path.dirname(ampnb.workbench.__file__)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -115,3 +122,42 @@ def hand_loop(mode: str, steps: int, huge=()):
             skipped.append(False)
         losses.append(loss.item())
     return losses, skipped, out_dtypes, weights(model)
+
+
+class InterruptAt:
+    """Raise KeyboardInterrupt at the n-th line run in ampnb/workbench, as Jupyter's interrupt would.
+
+    While ampnb holds SIGINT back (`_interrupt.deferred`), a real signal would be held, not
+    raised: then `_hold` is called instead, exactly as the signal handler would be.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n, self.lines, self.fired = n, 0, False
+
+    def _global(self, frame, event, arg):
+        return self._local if frame.f_code.co_filename.startswith(WORKBENCH_DIR) else None
+
+    def _local(self, frame, event, arg):
+        if event == "line" and not self.fired:
+            self.lines += 1
+            if self.lines == self.n:
+                self.fired = True
+                if signal.getsignal(signal.SIGINT) is _interrupt._hold:
+                    _interrupt._hold(signal.SIGINT, frame)
+                else:
+                    raise KeyboardInterrupt
+        return self._local
+
+    def __enter__(self) -> InterruptAt:
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+
+
+def consistent(wb) -> bool:
+    """Mode name matches the weights' dtype; the optimizer holds exactly the live parameters."""
+    held = [id(p) for g in wb.optimizer.param_groups for p in g["params"]]
+    dtype_ok = wb.param_dtype == wb.mode.param_dtype
+    return dtype_ok and sorted(held) == sorted(id(p) for p in wb.model.parameters())

@@ -11,7 +11,8 @@ from torch import nn
 
 import ampnb
 from ampnb import _state
-from ampnb.instruments.memory import format_bytes, memory_meter
+from ampnb.display import format_bytes
+from ampnb.instruments.memory import memory_meter
 from ampnb.models.mlp import MLP
 
 
@@ -64,7 +65,7 @@ def test_bf16_halves_saved_activations_and_true_halves_state():
     before = [p.detach().clone() for p in model.parameters()]
     rng = torch.get_rng_state()
     snap = _state.snapshot()
-    report = ampnb.memory_report(model, x, y, nn.functional.cross_entropy)
+    report = ampnb.memory_report(model, (x, y), nn.functional.cross_entropy)
     assert _state.snapshot() == snap and torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # untouched
     fp32, mixed, true16 = report.stats
@@ -119,11 +120,65 @@ def test_bad_input_is_one_line_value_error():
         ampnb.memory_report(model, x, modes=["17-true"])
     with pytest.raises(ValueError, match="at least one mode"):
         ampnb.memory_report(model, x, modes=[])
+    with pytest.raises(ValueError, match=r"loss_fn=Tensor is not allowed.*\(inputs, targets\)"):
+        ampnb.memory_report(model, x, y)  # the old form: inputs and targets apart
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_peak_is_measured():
     model, x, y = _mlp()
-    (s,) = ampnb.memory_report(model, x, y, nn.functional.cross_entropy, modes=["bf16-mixed"],
-                               device="cuda").stats
+    (s,) = ampnb.memory_report(model, (x, y), nn.functional.cross_entropy,
+                               modes=["bf16-mixed"], device="cuda").stats
     assert s.cuda_peak_bytes is not None and s.cuda_peak_bytes >= s.saved_bytes
+
+
+class _HFLike(nn.Module):
+    """Keyword inputs; returns a ModelOutput-like dict with its own loss when given labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 16), nn.Linear(16, 3)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids).mean(1))
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return {"loss": loss, "logits": logits}
+
+
+def _hf_batch():
+    gen = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(0, 10, (4, 5), generator=gen),
+            "labels": torch.randint(0, 3, (4,), generator=gen)}
+
+
+def test_a_dict_batch_and_the_models_own_loss():
+    torch.manual_seed(0)
+    model, batch = _HFLike(), _hf_batch()
+    (s,) = ampnb.memory_report(model, batch, modes=["32-true"]).stats
+    with memory_meter() as hand:  # reference: the same forward, by hand
+        model(**batch)["loss"].backward()
+    assert s.saved_bytes == hand.peak_bytes > 0
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert s.grad_bytes == params  # the model's own loss reached every parameter
+
+
+def test_the_optimizer_is_an_instance_copied_with_its_settings_and_state():
+    model, x, y = _mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    (s,) = ampnb.memory_report(model, (x, y), nn.functional.cross_entropy, optimizer=sgd,
+                               modes=["32-true"]).stats
+    assert s.optimizer_bytes == params  # one momentum buffer per parameter (AdamW would be 2x)
+    assert sgd.state_dict()["state"] == {}  # the user's optimizer took no step
+    amsgrad = torch.optim.Adam(model.parameters(), lr=1e-3, amsgrad=True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    amsgrad.step()  # state exists already: it is copied, and stepped on the copy
+    model.zero_grad()
+    steps_before = amsgrad.state_dict()["state"][0]["step"].clone()
+    (t,) = ampnb.memory_report(model, (x, y), nn.functional.cross_entropy, optimizer=amsgrad,
+                               modes=["bf16-true"]).stats
+    assert t.optimizer_bytes == 3 * params // 2 + 4 * len(list(model.parameters()))
+    assert torch.equal(amsgrad.state_dict()["state"][0]["step"], steps_before)
+    with pytest.raises(ValueError, match="allowed: a torch.optim.Optimizer instance"):
+        ampnb.memory_report(model, (x, y), nn.functional.cross_entropy,
+                            optimizer=torch.optim.AdamW)

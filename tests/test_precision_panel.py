@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import html
-import sys
 import warnings
 
 import pytest
 import torch
-from test_workbench import make, same, weights
+from _workbench_kit import InterruptAt, consistent, make, same, weights
 
-import ampnb.panels.precision_panel as pp
+import ampnb.panels.base as base
 from ampnb import _state
 from ampnb.device import devices
 from ampnb.modes import MODES, Availability
@@ -27,7 +26,7 @@ from ampnb.workbench.ops import summary_table
 def shown(monkeypatch):
     """Every figure the panel displays, as the PNG bytes Jupyter would show."""
     images: list[bytes] = []
-    monkeypatch.setattr(pp, "display", lambda fig: images.append(fig._repr_png_()))
+    monkeypatch.setattr(base, "display", lambda fig: images.append(fig._repr_png_()))
     return images
 
 
@@ -115,7 +114,7 @@ def test_a_switch_updates_the_readout_without_redrawing_the_curve(panel, shown):
 
 def _hand_trace(wb, dtype):
     """The op summary of the same forward + backward written by hand on a copy of the model."""
-    trace = pytest.importorskip("ampnb.instruments.trace")  # the panel works without it too
+    from ampnb.instruments import trace
     model = copy.deepcopy(wb.model)
     x, y = wb.batches[len(wb.history) % len(wb.batches)]
     ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
@@ -212,15 +211,6 @@ def test_plot_loss_curve_from_records_and_empty():
     assert [ln.get_color() for ln in lines] == [MODE_COLORS["32-true"], MODE_COLORS["bf16-mixed"]]
 
 
-def test_panel_works_without_the_tracer(shown, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ampnb.instruments.trace", None)  # import now fails
-    panel = PrecisionPanel(Workbench(*make()), run_n=3)
-    assert panel.ops.value == "" and panel.message.value == ""
-    panel.mode.value = "bf16-mixed"
-    panel.buttons["Step"].click()
-    assert panel.workbench.history[-1].mode == "bf16-mixed" and panel.message.value == ""
-
-
 def test_warnings_of_an_action_are_shown_in_the_panel(panel):
     # The make() model's last Linear (out_features 4) cannot run in FP8: the swap warns.
     with warnings.catch_warnings():
@@ -230,3 +220,48 @@ def test_warnings_of_an_action_are_shown_in_the_panel(panel):
     assert "FP8" in panel.status.value and "higher precision" in panel.status.value
     panel.buttons["Step"].click()
     assert panel.workbench.history[-1].param_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", [dict(workbench=42), dict(run_n=0), dict(window=0),
+                                 dict(run_n=2.5), dict(window=True)])
+def test_bad_arguments_are_one_line_value_errors(bad):
+    wb = Workbench(*make())
+    before = weights(wb.model)
+    with pytest.raises(ValueError, match="is not allowed; allowed"):
+        PrecisionPanel(**({"workbench": wb} | bad))
+    assert same(weights(wb.model), before) and wb.history == []
+
+
+def test_nonfinite_weights_are_shown_in_the_step_that_made_them(shown):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    wb = Workbench(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                   torch.nn.functional.mse_loss, [(torch.zeros(8, 4), torch.ones(8, 2))],
+                   mode="16-true")
+    panel = PrecisionPanel(wb)
+    panel.buttons["Step"].click()
+    assert "inf/NaN weights after step 0: 0.weight" in html.unescape(panel.status.value)
+
+
+def test_an_interrupt_at_any_line_of_a_mode_change_leaves_the_workbench_consistent(shown):
+    state = _state.snapshot()
+    panel = PrecisionPanel(Workbench(*make()), run_n=2)
+    panel.buttons["Step"].click()
+    wb = panel.workbench
+    start, n = weights(wb.model), 1
+    while True:
+        with InterruptAt(n) as sweep:
+            try:
+                panel.mode.value = "bf16-true"
+            except KeyboardInterrupt:
+                pass
+        if not sweep.fired:
+            break
+        assert consistent(wb) and _state.snapshot() == state, n
+        if wb.mode.name == "32-true":
+            assert same(weights(wb.model), start), n  # the interrupted switch left nothing
+        wb.set(mode="32-true")  # back for the next line (the panel's controls follow)
+        panel._sync_widgets()
+        assert same(weights(wb.model), start)
+        n += 1
+    assert n > 20 and wb.mode.name == "bf16-true"

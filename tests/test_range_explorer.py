@@ -76,6 +76,7 @@ def test_callback_errors_are_shown_in_the_panel_and_cleared_after(panel, monkeyp
     panel.format_picker.value = ()
     assert "ValueError: formats is empty" in panel.message.value
     assert "ampnb-range-error" in panel.message.value and "Traceback" in panel.message.value
+    assert 'class="ampnb-error ampnb-range-error"' in panel.message.value  # the one error box
     panel.format_picker.value = ("bf16",)
     assert "ampnb-range-error" not in panel.message.value
 
@@ -143,7 +144,7 @@ def test_bad_input_is_one_clear_error_and_leaves_no_hooks():
     with pytest.raises(ValueError, match="'fp64' is not among formats"):
         RangeExplorer(nn.Linear(2, 2), shown=("fp64",))
     model = nn.Linear(3, 2)
-    with pytest.raises(ValueError, match=r"batch must be \(inputs, targets\)"):
+    with pytest.raises(ValueError, match=r"a batch is \(inputs, targets\)"):
         RangeExplorer(model, torch.randn(2, 3), loss_fn=nn.MSELoss())
     with pytest.raises(RuntimeError):  # the user's own shape error, raised as is
         RangeExplorer(model, (torch.randn(2, 5), torch.randn(2, 2)), loss_fn=nn.MSELoss())
@@ -174,3 +175,47 @@ def test_a_cuda_model_gets_its_batch_moved_and_its_cuda_rng_kept():
     assert panel.capture.get("head.weight", "gradient").amax == (
         ref.head.weight.grad.abs().max().item())
     assert all(p.grad is None for p in d.model.parameters())
+
+
+def _bits(model):
+    return {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def test_a_batchnorm_model_in_train_mode_is_left_bit_identical():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.LazyLinear(2))
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 2, (4,))
+    model(x)  # materialise the lazy layer
+    before = _bits(model)
+    panel = RangeExplorer(model, (x, y), loss_fn=nn.functional.cross_entropy)
+    panel.recapture.click()
+    assert "captured again" in panel.message.value and model.training
+    after = _bits(model)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before), [
+        k for k in before if not torch.equal(before[k], after[k])]
+    # while the capture itself saw this batch's statistics (train-mode BatchNorm ran)
+    assert panel.capture.get("1", "activation").amax > 0
+
+
+class _OwnLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(10, 8), nn.Linear(8, 3)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.emb(input_ids).mean(1))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_a_dict_batch_with_the_models_own_loss_shows_gradients():
+    torch.manual_seed(0)
+    model = _OwnLoss()
+    batch = {"input_ids": torch.randint(0, 10, (4, 5)), "labels": torch.randint(0, 3, (4,))}
+    panel = RangeExplorer(model, batch)
+    assert panel.kinds == ("weight", "activation", "gradient")
+    ref = copy.deepcopy(model)
+    ref(**batch)["loss"].backward()
+    assert panel.capture.get("head.weight", "gradient").amax == ref.head.weight.grad.abs().max().item()
+    assert all(p.grad is None for p in model.parameters())

@@ -143,3 +143,31 @@ def test_gradient_view_draws_torchs_own_scaled_gradients(panel):
     assert any("inf/NaN (found_inf)" in t.get_text() for t in panel.ax.texts)
     panel.view.value = "scale history"
     assert _plotted_scales(panel)[-1] == panel.stepper.history[-1].new_scale
+
+
+@pytest.mark.parametrize("bad", ["workbench", "run_n"])
+def test_bad_arguments_are_one_line_value_errors(bad):
+    from _workbench_kit import make as make_wb
+
+    from ampnb.workbench import Workbench
+
+    model, opt, loss_fn, batches = make()
+    stepper = ScalerStepper(model, opt, loss_fn, batches)
+    args = ({"stepper": Workbench(*make_wb())} if bad == "workbench" else
+            {"stepper": stepper, "run_n": 0})
+    with pytest.raises(ValueError, match="is not allowed; allowed"):
+        ScalerPanel(**args)
+
+
+def test_warnings_of_an_action_are_shown_in_the_panel(panel):
+    import warnings
+
+    def noisy():
+        warnings.warn("a warning from the loop", UserWarning, stacklevel=1)
+        return "did it"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing may escape the panel
+        panel._safely(noisy)
+    assert "a warning from the loop" in panel.status.value and "did it" in panel.status.value
+    assert 'class="ampnb-error ampnb-scaler-error"' not in panel.message.value

@@ -8,7 +8,17 @@ import warnings
 
 import pytest
 import torch
-from _workbench_kit import CPU_MODES, hand_loop, make, opt_state, same, same_opt, weights
+from _workbench_kit import (
+    CPU_MODES,
+    InterruptAt,
+    consistent,
+    hand_loop,
+    make,
+    opt_state,
+    same,
+    same_opt,
+    weights,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -191,3 +201,77 @@ def test_probe_leaves_no_trace():
 
 
 # ----- dtypes and losses against hand-written loops --------------------------------------
+
+
+# ----- set() and restore() are all-or-nothing: errors and interrupts at any line --------------
+
+
+def _round_trip(wb):
+    """The calls the sweep interrupts, in order."""
+    return [lambda: wb.set(mode="bf16-true"), lambda: wb.set(mode="32-true", tf32=True),
+            lambda: wb.set(mode="16-mixed"), lambda: wb.restore()]
+
+
+def _view(wb):
+    return (weights(wb.model), opt_state(wb.optimizer), wb.mode.name, str(wb.device), wb.tf32,
+            len(wb.history), None if wb.scaler is None else wb.scaler.get_scale())
+
+
+def _same_view(a, b) -> bool:
+    return same(a[0], b[0]) and same_opt(a[1], b[1]) and a[2:] == b[2:]
+
+
+def _stepped():
+    wb = Workbench(*make())
+    wb.step()
+    return wb
+
+
+def test_an_interrupt_at_any_line_of_set_or_restore_leaves_the_workbench_as_before():
+    state = _state.snapshot()
+    wb = _stepped()
+    views = [_view(wb)]
+    for call in _round_trip(wb):
+        call()
+        views.append(_view(wb))
+    n, interrupted, start = 1, 0, _stepped()
+    while True:
+        wb = copy.deepcopy(start)  # a fresh copy of the same Workbench (cheaper than a new one)
+        calls, done = _round_trip(wb), 0
+        with InterruptAt(n) as sweep:
+            try:
+                for call in calls:
+                    call()
+                    done += 1
+            except KeyboardInterrupt:
+                interrupted += 1
+        if not sweep.fired:
+            break
+        assert consistent(wb), n
+        assert _same_view(_view(wb), views[done]), (n, done)  # the interrupted call left nothing
+        assert _state.snapshot() == state
+        if n % 10 == 0:  # and it still works: back to the exact start weights
+            wb.set(mode="32-true")
+            assert same(weights(wb.model), views[0][0]) or done >= 3
+        n += 1
+    assert interrupted > 50  # the sweep reached every line of the round trip
+
+
+def test_a_failing_conversion_is_rolled_back():
+    wb = _stepped()
+    before = _view(wb)
+    mode = get_mode("bf16-true")
+    real = type(mode).convert_module
+
+    def half_done(self, module):
+        real(self, module)  # the weights are already bf16 when it fails
+        raise RuntimeError("conversion failed")
+
+    type(mode).convert_module = half_done
+    try:
+        with pytest.raises(RuntimeError, match="conversion failed"):
+            wb.set(mode="bf16-true")
+    finally:
+        type(mode).convert_module = real
+    assert consistent(wb) and _same_view(_view(wb), before)
+    assert wb.step().param_dtype == torch.float32

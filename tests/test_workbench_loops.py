@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -181,3 +182,99 @@ def test_cuda_round_trip_is_lossless_and_measures_peak():
     wb.set(device="cuda", mode="bf16-mixed")
     wb.set(device="cpu", mode="32-true")
     assert same(weights(wb.model), before)
+
+
+# ----- batches in any form, the model's own loss, non-finite weights ----------------------
+
+
+class _OwnLoss(torch.nn.Module):
+    """Called with keyword inputs; returns a dict holding its own loss (like a ModelOutput)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 4)
+
+    def forward(self, x, target):
+        out = self.net(x)
+        return {"logits": out, "loss": torch.nn.functional.mse_loss(out.float(), target)}
+
+
+def test_dict_batches_with_the_models_own_loss_match_a_hand_loop():
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(16, 8, generator=gen), "target": torch.randn(16, 4, generator=gen)}
+               for _ in range(2)]
+    torch.manual_seed(0)
+    ref = _OwnLoss()
+    model = _OwnLoss()
+    model.load_state_dict(ref.state_dict())
+    wb = Workbench(model, torch.optim.Adam(model.parameters(), lr=1e-2), None, batches)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    losses = []
+    for i in range(3):
+        opt.zero_grad(set_to_none=True)
+        loss = ref(**batches[i % 2])["loss"]
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert [r.loss for r in wb.run(3)] == losses and same(weights(wb.model), weights(ref))
+    assert wb.history[0].output_dtype == torch.float32
+    other = _OwnLoss()
+    again = Workbench(other, torch.optim.SGD(other.parameters(), lr=0.1), None, iter(batches))
+    assert again.batches == batches and again.run(2)  # an iterator is read once, into a list
+
+
+@pytest.mark.parametrize("bad", [None, 3, [], [None]])
+def test_bad_batches_are_a_value_error_naming_what_is_allowed(bad):
+    model, opt, loss_fn, _ = make()
+    before = weights(model)
+    with pytest.raises(ValueError, match="allowed"):
+        Workbench(model, opt, loss_fn, bad)
+    assert same(weights(model), before)
+
+
+def _nan_maker():
+    """16-true + AdamW: fp16 eps underflows to 0, so a weight with zero gradient becomes 0/0."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    x = torch.zeros(8, 4)  # the weight's gradient is exactly zero; the bias's is not
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), [(x, torch.ones(8, 2))]
+
+
+def test_nonfinite_weights_are_flagged_in_the_step_that_made_them():
+    model, opt, batches = _nan_maker()
+    wb = Workbench(model, opt, torch.nn.functional.mse_loss, batches, mode="16-true")
+    first = wb.step()
+    # reference: what the step left in the weights, read with torch itself
+    bad = [n for n, p in wb.model.named_parameters() if not torch.isfinite(p).all()]
+    assert bad == ["0.weight"] and math.isfinite(first.loss)
+    assert first.nonfinite == ("0.weight",)
+    assert any("0.weight" in n and "16-true" in n for n in first.notes)
+    assert "inf/NaN" in repr(wb.table())
+    with pytest.warns(PrecisionLossWarning):
+        wb.set(mode="32-true")
+    second = wb.step()  # the NaN shows in the loss now; it was made (and said) one step earlier
+    assert math.isnan(second.loss) and "0.weight" in second.nonfinite
+
+
+def test_finite_steps_flag_nothing():
+    model, opt, loss_fn, batches = make()
+    wb = Workbench(model, opt, loss_fn, batches, mode="bf16-mixed")
+    assert all(r.nonfinite == () for r in wb.run(3))
+
+
+# ----- one memory meter -----------------------------------------------------------------
+
+
+def test_step_probe_memory_report_and_memory_meter_report_the_same_saved_bytes():
+    from ampnb.instruments.memory import memory_meter, memory_report
+
+    model, opt, loss_fn, batches = make(n_batches=1)
+    x, y = batches[0]
+    with memory_meter() as hand:
+        loss_fn(model(x), y)
+    report = memory_report(model, batches[0], loss_fn, modes=["32-true"])
+    wb = Workbench(model, opt, loss_fn, batches)
+    probed = wb.probe(memory_meter)
+    record = wb.step()
+    assert hand.peak_bytes > 0
+    assert record.memory == probed.peak_bytes == report.stats[0].saved_bytes == hand.peak_bytes

@@ -11,20 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.display import Table
+from ampnb._interrupt import deferred
+from ampnb._tree import tensors
+from ampnb.batch import as_batch, model_loss, step_loss
+from ampnb.display import Table, TableView, format_bytes
 from ampnb.modes import get_mode
 
 DEFAULT_MODES = ("32-true", "bf16-mixed", "bf16-true")
-
-
-def format_bytes(n: int | None) -> str:
-    """1536 -> '1.5 KiB'; exact bytes below 1 KiB."""
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def _storage(t: torch.Tensor) -> tuple[Any, int]:
@@ -48,8 +41,11 @@ class _Saved:
         self.meter._release(self.key)
 
 
-class MemoryMeter:
-    """`with memory_meter() as m:` tracks live bytes saved for backward (peak), and CUDA's peak."""
+class MemoryMeter(TableView):
+    """`with memory_meter() as m:` tracks live bytes saved for backward (peak), and CUDA's peak.
+
+    The one meter: %%amp --memory, memory_report and every Workbench step use it.
+    """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
@@ -63,15 +59,17 @@ class MemoryMeter:
         return self.device.type == "cuda" and torch.cuda.is_available()
 
     def __enter__(self) -> MemoryMeter:
-        if self._on_cuda():
+        if self._on_cuda():  # CUDA's peak "above start": what this block allocated at most
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_start = torch.cuda.memory_allocated(self.device)
-        self._hooks.__enter__()
+        with deferred():  # the hooks are pushed, or not: never half
+            self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
+        with deferred():
+            self._hooks.__exit__(*exc)
         if self._on_cuda():
             torch.cuda.synchronize(self.device)
             self.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._cuda_start
@@ -111,12 +109,6 @@ class MemoryMeter:
         return Table(("memory", "measured"), rows, caption=f"memory on {self.device}",
                      notes=("parameters saved for backward are not counted: they exist anyway",))
 
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
-
-    def __repr__(self) -> str:
-        return repr(self.table())
-
 
 def memory_meter(device: str | torch.device = "cpu") -> MemoryMeter:
     """`with memory_meter() as m:` measures activation memory saved for backward."""
@@ -145,62 +137,88 @@ def _nbytes(ts: Iterable[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
 
-def _unpack_demo(model: Any, inputs: Any, targets: Any, loss_fn: Any, optimizer: Any) -> tuple:
-    """A Demo gives its model, first batch, loss and optimizer class with its settings."""
-    if all(hasattr(model, k) for k in ("model", "optimizer", "loss_fn", "batches")):
-        opt = model.optimizer
-        accepted = inspect.signature(type(opt)).parameters  # defaults may hold internal keys
-        settings = {k: v for k, v in opt.defaults.items() if k in accepted}
-        x, y = model.batches[0]
-        return (model.model, x if inputs is None else inputs, y if targets is None else targets,
-                loss_fn or model.loss_fn,
-                optimizer or (lambda ps: type(opt)(ps, **settings)))
-    return model, inputs, targets, loss_fn, optimizer
+def _copy_optimizer(optimizer: Any, model: nn.Module, params: list[nn.Parameter]) -> Any:
+    """The user's optimizer rebuilt on the copy's params: its type, group settings and state."""
+    if optimizer is None:
+        return torch.optim.AdamW([p for p in params if p.requires_grad])
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={type(optimizer).__name__} is not allowed; allowed: a "
+                         f"torch.optim.Optimizer instance on the model's parameters (its type, "
+                         f"settings and state are copied), or None (AdamW).")
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(id(p) not in index for p in held):
+        raise ValueError(f"optimizer {type(optimizer).__name__} holds parameters that are not the "
+                         f"model's; allowed: an optimizer built on model.parameters().")
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [params[index[id(p)]] for p in g["params"]]} for g in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold internal keys
+    new = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    # A deep copy: load_state_dict keeps some tensors (Adam's step) as the same objects.
+    new.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    return new
 
 
-def measure_memory(model: nn.Module, inputs: Any = None, targets: Any = None,
-                   loss_fn: Callable | None = None, mode: Any = "32-true",
-                   optimizer: Callable | None = None, device: str | None = None) -> MemoryStats:
-    """One step (forward, loss, backward, optimizer step) on a deep copy, under `mode`."""
-    model, inputs, targets, loss_fn, optimizer = _unpack_demo(model, inputs, targets, loss_fn,
-                                                              optimizer)
+def _loss(out: Any, run: Any, loss_fn: Callable | None) -> torch.Tensor:
+    """The step's loss; without one, the mean of the outputs stands in (same saved tensors)."""
+    if loss_fn is not None or model_loss(out) is not None:
+        return step_loss(out, run, loss_fn)
+    floats = [t.float().mean() for t in tensors(out) if t.is_floating_point() and t.requires_grad]
+    if not floats:
+        step_loss(out, run, None)  # raises: names what is allowed
+    return sum(floats)
+
+
+def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None = None, *,
+                   mode: Any = "32-true", optimizer: torch.optim.Optimizer | None = None,
+                   device: str | None = None) -> MemoryStats:
+    """One step (forward, loss, backward, optimizer step) on a deep copy, under `mode`.
+
+    A batch is anything ampnb.batch takes; without loss_fn the model's own loss is used. The
+    optimizer is an instance: a copy of it (type, settings, state) steps the copied model.
+    """
+    if all(hasattr(model, k) for k in ("model", "optimizer", "loss_fn", "batches")):  # a Demo
+        batch = model.batches[0] if batch is None else batch
+        loss_fn = loss_fn or model.loss_fn
+        optimizer = optimizer or model.optimizer
+        model = model.model
     if not isinstance(model, nn.Module):
         raise ValueError(f"measure_memory needs an nn.Module or a Demo, got {type(model).__name__}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable parameters; "
                          "memory_meter() measures its activations alone")
-    if inputs is None:
+    if batch is None:
         raise ValueError("measure_memory needs inputs (a batch), or a Demo that has batches")
+    if loss_fn is not None and not callable(loss_fn):  # e.g. the old (model, x, y) call form
+        raise ValueError(f"loss_fn={type(loss_fn).__name__} is not allowed; allowed: a callable "
+                         f"(outputs, targets) or None, with the batch as one argument: "
+                         f"memory_report(model, (inputs, targets), loss_fn).")
+    run = as_batch(batch, loss_fn)
     m = get_mode(mode)
-    dev = device or next(model.parameters()).device.type
+    dev = torch.device(device or next(model.parameters()).device)
     m.check(dev)
-    with torch.random.fork_rng(devices=[]):  # dropout in the copy must not move the user's RNG
-        net = m.convert_module(copy.deepcopy(model)).to(dev)
-        opt = (optimizer or torch.optim.AdamW)([p for p in net.parameters() if p.requires_grad])
-        x = m.convert_input(_to(inputs, dev))
+    cuda = [dev.index or 0] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # dropout in the copy must not move the user's RNG
+        twin = copy.deepcopy(model)
+        params = list(twin.parameters())  # conversions keep these objects (FP8 layers share them)
+        converted = m.convert_module(twin)
+        net = twin if converted is None else converted
+        net.to(dev)
+        opt = _copy_optimizer(optimizer, model, params)
+        run = run.to(dev).convert(m.convert_input)
         with MemoryMeter(dev) as meter:
             with m.forward_context(dev):
-                out = net(x)
-                loss = loss_fn(out, _to(targets, dev)) if loss_fn else out.float().mean()
-            loss.float().backward()
+                out = run.call(net)
+            _loss(m.convert_output(out), run, loss_fn).float().backward()
         opt.step()
-    params = list(net.parameters())
     return MemoryStats(m.name, meter.peak_bytes, meter.tensors, _nbytes(params),
                        _nbytes(p.grad for p in params),
                        _nbytes(v for st in opt.state.values() for v in st.values()),
                        meter.cuda_peak_bytes)
 
 
-def _to(data: Any, device: str) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.to(device)
-    if isinstance(data, (list, tuple)):
-        return type(data)(_to(d, device) for d in data)
-    return data
-
-
-@dataclass(frozen=True)
-class MemoryReport:
+@dataclass(frozen=True, repr=False)  # repr from table() (TableView)
+class MemoryReport(TableView):
     """Memory of one step under several modes, side by side."""
 
     stats: tuple[MemoryStats, ...]
@@ -222,19 +240,13 @@ class MemoryReport:
                             "(parameters excluded; autocast's low-precision weight copies "
                             "included)",))
 
-    def _repr_html_(self) -> str:
-        return self.table()._repr_html_()
 
-    def __repr__(self) -> str:
-        return repr(self.table())
-
-
-def memory_report(model: nn.Module, inputs: Any = None, targets: Any = None,
-                  loss_fn: Callable | None = None, modes: Iterable[Any] = DEFAULT_MODES,
-                  optimizer: Callable | None = None, device: str | None = None) -> MemoryReport:
+def memory_report(model: nn.Module, batch: Any = None, loss_fn: Callable | None = None, *,
+                  optimizer: torch.optim.Optimizer | None = None,
+                  modes: Iterable[Any] = DEFAULT_MODES, device: str | None = None) -> MemoryReport:
     """measure_memory under each mode on the same model and batch (32-true, bf16-mixed, bf16-true)."""
     modes = tuple(modes)
     if not modes:
         raise ValueError("memory_report needs at least one mode, e.g. ('32-true', 'bf16-mixed')")
-    return MemoryReport(tuple(measure_memory(model, inputs, targets, loss_fn, m, optimizer, device)
-                              for m in modes))
+    return MemoryReport(tuple(measure_memory(model, batch, loss_fn, mode=m, optimizer=optimizer,
+                                             device=device) for m in modes))

@@ -4,30 +4,24 @@ from __future__ import annotations
 
 import html
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as widgets
-from IPython.display import clear_output, display
 
 from ampnb.device import devices, tf32_effect
+from ampnb.display import dtype_name, format_bytes
 from ampnb.modes import MODES
+from ampnb.panels.base import Panel, positive_int
 from ampnb.plots._axes import new_axes
 from ampnb.plots.training import plot_loss_curve
-from ampnb.workbench import PrecisionLossWarning, Workbench
+from ampnb.workbench import Workbench
 from ampnb.workbench.ops import op_summary
-from ampnb.workbench.records import format_bytes
 
 _REDRAW_EVERY_S = 0.5  # during Run N: often enough to look live, rarely enough to stay cheap
 _FIGSIZE = (7.0, 3.0)
 # Room for 6-character tick labels, the axis labels and the title at 7 x 3 inches.
 _MARGINS = dict(left=0.11, right=0.985, bottom=0.15, top=0.91)
-
-
-def _dtype(d: Any) -> str:
-    return str(d).removeprefix("torch.")
 
 
 def mode_options(device: str) -> list[tuple[str, str]]:
@@ -43,16 +37,23 @@ def mode_options(device: str) -> list[tuple[str, str]]:
     return options
 
 
-class PrecisionPanel:
+class PrecisionPanel(Panel):
     """Mode / device / TF32 controls, Step / Run N / Reset, live loss curve and measurements."""
+
+    css = "precision"
 
     def __init__(self, workbench: Workbench | None = None, run_n: int = 10,
                  window: int = 10) -> None:
+        if workbench is not None and not isinstance(workbench, Workbench):
+            raise ValueError(f"workbench={type(workbench).__name__} is not allowed; allowed: an "
+                             f"ampnb.Workbench, or None for the demo MLP.")
+        positive_int("run_n", run_n)
+        self.window = positive_int("window", window)
         if workbench is None:
             from ampnb.models import demo
 
             workbench = Workbench(*demo("mlp"))
-        self.workbench, self.window = workbench, window
+        self.workbench = workbench
         wb, style = workbench, {"description_width": "initial"}
         self.mode = widgets.Dropdown(options=mode_options(str(wb.device)), value=wb.mode.name,
                                      description="mode", style=style)
@@ -66,14 +67,12 @@ class PrecisionPanel:
                                         layout={"width": "140px"})
         self.status = widgets.HTML()
         self.ops = widgets.HTML()
-        self.message = widgets.HTML()
-        self.out = widgets.Output()
+        self._base_widgets()
         self.ax = new_axes(figsize=_FIGSIZE)
         self.figure = self.ax.figure
         # Fixed margins instead of constrained layout: its extra layout pass doubled every redraw.
         self.figure.set_layout_engine(None)
         self.figure.subplots_adjust(**_MARGINS)
-        self.draws = 0
         self._drawn: tuple[int, Any] | None = None  # (steps, last record) the figure shows
         self._syncing = False  # True while the panel itself writes widget values
         actions = {"Step": self._step, "Run N": self._run_n, "Reset": self._reset}
@@ -89,34 +88,14 @@ class PrecisionPanel:
             self.message,
             widgets.HBox([self.out, widgets.VBox([self.status, self.ops])]),
         ])
-        # Stable hooks for the browser tests (tests/browser) and for users' own CSS.
-        for w, css in ((self.widget, "panel"), (self.mode, "mode"), (self.out, "plot")):
-            w.add_class(f"ampnb-precision-{css}")
+        self._classes({"panel": self.widget, "mode": self.mode, "plot": self.out})
         self._safely(lambda: (self._trace(), "ready: press Step or Run N")[1])
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
 
     # ----- actions (each refreshes the view; errors are shown, never swallowed) ------------
 
-    def _safely(self, action: Callable[[], str | None]) -> None:
-        try:
-            # Warnings would land outside the panel: it shows them in its note instead (the
-            # Workbench's own PrecisionLossWarnings already are in the note the action returns).
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                note = action()
-            said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)
-                    and not issubclass(w.category, PrecisionLossWarning)]
-            self.message.value = ""
-            self._refresh(" ".join(dict.fromkeys([note or "", *said])).strip() or None)
-        except Exception as err:  # noqa: BLE001 - shown to the learner in the panel
-            self._show_error(err)
-            self._sync_widgets()
-            try:
-                self._refresh(None)
-            except Exception as again:  # noqa: BLE001 - shown too, after the first
-                self.message.value += f"<pre>{html.escape(repr(again))}</pre>"
+    def _recover(self) -> None:
+        self._sync_widgets()  # the controls show what the Workbench kept after a refusal
+        self._refresh(None)
 
     def _on_change(self, setter: Callable[[Any], str | None], change: dict[str, Any]) -> None:
         if not self._syncing:
@@ -158,14 +137,7 @@ class PrecisionPanel:
         return "reset to the weights, optimizer state and settings the Workbench started with"
 
     def _trace(self) -> None:
-        summary = op_summary(self.workbench)
-        self.ops.value = "" if summary is None else summary._repr_html_()
-
-    def _show_error(self, err: Exception) -> None:
-        text = f"{type(err).__name__}: {err}"
-        self.message.value = (f'<div class="ampnb-error" style="color:#b00"><b>{html.escape(text)}</b><details>'
-                              f"<summary>traceback</summary><pre>"
-                              f"{html.escape(traceback.format_exc())}</pre></details></div>")
+        self.ops.value = op_summary(self.workbench)._repr_html_()
 
     # ----- view -------------------------------------------------------------------------
 
@@ -186,13 +158,16 @@ class PrecisionPanel:
         ratio = wb.speedup(self.window)
         fields = [
             f"mode {wb.mode.name} on {wb.device}, TF32 {'on' if wb.tf32 else 'off'}",
-            f"parameters {_dtype(wb.param_dtype)}",
+            f"parameters {dtype_name(wb.param_dtype)}",
             f"steps {len(wb.history)}" + (f", last loss {last.loss:.5g}" if last else ""),
             f"step time {last.seconds * 1e3:.1f} ms" if last else "step time n/a",
             "speedup vs 32-true " + ("n/a (needs steps in both)" if ratio is None
                                      else f"{ratio:.2f}x (medians of recent steps)"),
             "saved for backward " + (format_bytes(last.memory) if last else "n/a"),
         ]
+        if last and last.nonfinite:
+            fields.append(f"inf/NaN weights after step {last.step}: {', '.join(last.nonfinite[:3])}"
+                          + (" ..." if len(last.nonfinite) > 3 else ""))
         if last and last.cuda_peak is not None:
             fields.append(f"CUDA peak {format_bytes(last.cuda_peak)}")
         if wb.scaler is not None:
@@ -209,7 +184,4 @@ class PrecisionPanel:
     def _draw(self) -> None:
         self.ax.clear()  # reusing the Axes is cheaper than a new one on every redraw
         plot_loss_curve(self.workbench, ax=self.ax)
-        self.draws += 1
-        with self.out:
-            clear_output(wait=True)
-            display(self.figure)
+        self._show(self.figure)

@@ -3,43 +3,36 @@
 from __future__ import annotations
 
 import html
-import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import ipywidgets as widgets
 import torch
-from IPython.display import clear_output, display
 from torch import nn
 
+from ampnb.batch import as_batch, model_loss, step_loss
 from ampnb.formats import get_format
 from ampnb.instruments.coverage_stats import coverage_table
 from ampnb.instruments.summaries import DEFAULT_FORMATS
 from ampnb.instruments.tensor_capture import Capture, capture
 from ampnb.models import Demo
+from ampnb.panels.base import Panel
 from ampnb.plots._axes import new_axes
 from ampnb.plots.ranges import RANGE_FORMATS, plot_layer_summary, plot_tensor_histogram
+from ampnb.workbench.state import untouched
 
 ALL = "(all layers)"
 _SIZES = {"histogram": (8.0, 3.4), "summary_row": 0.28}
 
 
-def _inputs(batch: Any, loss_fn: Any) -> tuple[tuple[Any, ...], Any]:
-    """(positional inputs for the model, targets or None) from the user's batch."""
-    if loss_fn is not None:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ValueError(f"with loss_fn, batch must be (inputs, targets); got "
-                             f"{type(batch).__name__}")
-        return (batch[0],), batch[1]
-    return (tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)), None
+class RangeExplorer(Panel):
+    """Layer / kind / formats pickers over one captured step; plot and coverage table follow.
 
+    batch is any form ampnb.batch takes (positional, a keyword dict, or (inputs, targets) with
+    a loss_fn); gradients are shown when there is a loss: loss_fn's or the model's own.
+    """
 
-def _to(x: Any, device: torch.device | None) -> Any:
-    return x.to(device) if isinstance(x, torch.Tensor) and device is not None else x
-
-
-class RangeExplorer:
-    """Layer / kind / formats pickers over one captured step; plot and coverage table follow."""
+    css = "range"
 
     def __init__(self, model: nn.Module | Demo, batch: Any = None, loss_fn: Any = None,
                  formats: Iterable[str] = DEFAULT_FORMATS, shown: Iterable[str] | None = None,
@@ -51,6 +44,8 @@ class RangeExplorer:
         if not isinstance(model, nn.Module):
             raise ValueError(f"RangeExplorer needs an nn.Module or an ampnb demo, got "
                              f"{type(model).__name__}")
+        if batch is not None:
+            as_batch(batch, loss_fn)  # a malformed batch is refused before anything runs
         self.model, self.batch, self.loss_fn, self.modules = model, batch, loss_fn, modules
         self.formats = tuple(get_format(f).name for f in formats)
         if shown is None:  # the usual three where captured, else the first three captured
@@ -60,9 +55,10 @@ class RangeExplorer:
         if missing:
             raise ValueError(f"shown format {missing[0]!r} is not among formats; allowed: "
                              f"{', '.join(self.formats)}")
-        self.kinds = ("weight",) + (() if batch is None else ("activation",)) + (
-            ("gradient",) if batch is not None and loss_fn is not None else ())
-        self.capture = self._capture()
+        self.kinds = ("weight",) + (() if batch is None else ("activation", "gradient"))
+        self.capture, had_loss = self._capture()
+        if not had_loss:  # no loss_fn and the model gave no loss of its own
+            self.kinds = tuple(k for k in self.kinds if k != "gradient")
         style = {"description_width": "initial"}
         self.kind = widgets.Dropdown(options=self.kinds, value=self._first_kind(),
                                      description="tensor", style=style)
@@ -73,12 +69,10 @@ class RangeExplorer:
                                                     style=style)
         self.recapture = widgets.Button(description="Capture again", icon="refresh",
                                         tooltip="run the batch through the model again")
-        self.message = widgets.HTML()
         self.table = widgets.HTML()
-        self.out = widgets.Output()
+        self._base_widgets()
         self.ax = new_axes(figsize=_SIZES["histogram"])
         self.figure = self.ax.figure
-        self.draws = 0
         self._syncing = False  # True while the panel itself rewrites the layer options
         self._set_layers()
         self.kind.observe(lambda _c: self._safely(self._on_kind), names="value")
@@ -89,40 +83,28 @@ class RangeExplorer:
             widgets.HBox([widgets.VBox([self.kind, self.layer, self.recapture]),
                           self.format_picker]),
             self.message, self.out, self.table])
-        # Stable hooks for the browser tests (tests/browser) and for users' own CSS.
-        for w, css in ((self.widget, "panel"), (self.layer, "layer"), (self.kind, "kind"),
-                       (self.format_picker, "formats"), (self.out, "plot"),
-                       (self.table, "table"), (self.message, "message")):
-            w.add_class(f"ampnb-range-{css}")
-        self._safely(lambda: self._note())
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        self._classes({"panel": self.widget, "layer": self.layer, "kind": self.kind,
+                       "formats": self.format_picker, "plot": self.out, "table": self.table,
+                       "message": self.message})
+        self._safely(self._note)
 
     # ----- capture: one forward (+ backward) that leaves the model as it was ---------------
 
-    def _capture(self) -> Capture:
-        """Run the batch once with hooks attached; the model's .grad and RNG are put back."""
-        params = list(self.model.parameters())
-        saved = [p.grad for p in params]
-        device = params[0].device if params else None
-        cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
+    def _capture(self) -> tuple[Capture, bool]:
+        """Run the batch once with hooks attached, without a trace (the Workbench's probe);
+        also whether there was a loss to take gradients of."""
         cap = capture(self.model, self.kinds, self.modules, self.formats)
-        with torch.random.fork_rng(devices=cuda), cap:
-            try:
-                for p in params:
-                    p.grad = None  # so the captured gradients are this batch's alone
-                if self.batch is not None:
-                    args, target = _inputs(self.batch, self.loss_fn)
-                    args = tuple(_to(a, device) for a in args)
-                    with torch.enable_grad():
-                        out = self.model(*args)
-                        if "gradient" in self.kinds:
-                            self.loss_fn(out, _to(target, device)).backward()
-            finally:
-                for p, g in zip(params, saved):
-                    p.grad = g
-        return cap
+        had_loss = False
+        with untouched(self.model), cap:  # grads, buffers (BatchNorm stats) and RNG put back
+            if self.batch is not None:
+                device = next(self.model.parameters(), torch.empty(0)).device
+                run = as_batch(self.batch, self.loss_fn).to(device)
+                with torch.enable_grad():
+                    out = run.call(self.model)
+                    had_loss = self.loss_fn is not None or model_loss(out) is not None
+                    if had_loss and "gradient" in self.kinds:
+                        step_loss(out, run, self.loss_fn).backward()
+        return cap, had_loss
 
     def _first_kind(self) -> str:
         have = {r.kind for r in self.capture.records}
@@ -145,16 +127,10 @@ class RangeExplorer:
 
     # ----- actions (errors are shown in the panel, never swallowed) ------------------------
 
-    def _safely(self, action: Callable[[], str | None]) -> None:
-        try:
-            note = action()
-            self.message.value = html.escape(note or "")
-            self._draw()
-        except Exception as err:  # noqa: BLE001 - shown to the learner in the panel
-            self.message.value = (
-                f'<div class="ampnb-range-error" style="color:#b00"><b>'
-                f"{html.escape(f'{type(err).__name__}: {err}')}</b>"
-                f"<pre>{html.escape(traceback.format_exc())}</pre></div>")
+    def _refresh(self, note: str | None) -> None:
+        if note:
+            self.message.value = html.escape(note)
+        self._draw()
 
     def _on_pick(self) -> None:
         if not self._syncing:
@@ -165,7 +141,7 @@ class RangeExplorer:
         return self._note()
 
     def _recapture(self) -> str:
-        self.capture = self._capture()
+        self.capture, _ = self._capture()
         self._set_layers()
         return f"captured again: {len(self.capture.records)} tensors"
 
@@ -173,7 +149,8 @@ class RangeExplorer:
         if "gradient" not in self.kinds:
             return ("weights only: pass batch= (and loss_fn=) to see activations and gradients"
                     if self.batch is None else
-                    "no gradients: pass loss_fn= and batch=(inputs, targets) to see them")
+                    "no gradients: the model returned no loss; pass loss_fn= with "
+                    "batch=(inputs, targets), or a batch it takes its loss from (labels=)")
         return ""
 
     # ----- view ------------------------------------------------------------------------
@@ -205,7 +182,4 @@ class RangeExplorer:
         labels = [n for n, _ in covs] if covs and covs[0][0] else None  # None: by format
         self.table.value = coverage_table([c for _, c in covs], labels,
                                           caption)._repr_html_() if covs else ""
-        self.draws += 1
-        with self.out:
-            clear_output(wait=True)
-            display(self.figure)
+        self._show(self.figure)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import html
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as widgets
-from IPython.display import clear_output, display
 
+from ampnb.panels.base import Panel, positive_int
 from ampnb.plots._axes import new_axes
 from ampnb.plots.scale import plot_scale_history, plot_step_gradients
 from ampnb.scaler import ScalerStepper, diagnose, explain_error
@@ -33,10 +32,16 @@ _CONTROLS: dict[str, tuple[Callable[[Any], widgets.Widget], Callable[[Any], Any]
 _VIEWS = {"scale history": plot_scale_history, "gradients vs fp16": plot_step_gradients}
 
 
-class ScalerPanel:
+class ScalerPanel(Panel):
     """Next stage / Next step / Run N / Inject inf / Inject NaN / Reset, and the loop's state."""
 
+    css = "scaler"
+
     def __init__(self, stepper: ScalerStepper, run_n: int = 10) -> None:
+        if not isinstance(stepper, ScalerStepper):
+            raise ValueError(f"stepper={type(stepper).__name__} is not allowed; allowed: an "
+                             f"ampnb.ScalerStepper (a Workbench goes to PrecisionPanel).")
+        positive_int("run_n", run_n)
         self.stepper = stepper
         style = {"description_width": "initial"}
         self.buttons = {name: widgets.Button(description=name, layout={"width": "auto"})
@@ -54,16 +59,14 @@ class ScalerPanel:
             w.observe(self._on_control, names="value")
         self.listing = widgets.HTML(layout={"min_width": "600px"})
         self.status = widgets.HTML()
-        self.message = widgets.HTML()
+        self._base_widgets()
         self.guidance = widgets.HTML()  # what this run shows: no scaler needed, collapse...
         self.view = widgets.ToggleButtons(options=list(_VIEWS), value="scale history",
                                           description="plot", style=style)
         self.view.observe(lambda _c: self._safely(lambda: f"showing {self.view.value}"),
                           names="value")
-        self.out = widgets.Output()
         self.ax = new_axes(figsize=(7.0, 3.2))
         self.figure = self.ax.figure
-        self.draws = 0
         actions = {"Next stage": self._next_stage, "Next step": self._next_step,
                    "Run N": self._run_n, "Inject inf": lambda: self._inject("inf"),
                    "Inject NaN": lambda: self._inject("nan"), "Reset": self._reset}
@@ -80,27 +83,10 @@ class ScalerPanel:
             self.view,
             self.out,
         ])
-        # Stable hooks for the browser tests (tests/browser) and for users' own CSS.
-        self.widget.add_class("ampnb-scaler-panel")
-        self.out.add_class("ampnb-scaler-plot")
-        self._refresh("ready: press Next stage")
-
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        self._classes({"panel": self.widget, "plot": self.out})
+        self._safely(lambda: "ready: press Next stage")
 
     # ----- actions (each refreshes the view; errors are shown, never swallowed) ------------
-
-    def _safely(self, action: Callable[[], str]) -> None:
-        try:
-            note = action()
-            self.message.value = ""
-            self._refresh(note)
-        except Exception as err:  # noqa: BLE001 - shown to the learner in the panel
-            self._show_error(err)
-            try:
-                self._refresh(None)
-            except Exception as again:  # noqa: BLE001 - shown too, after the first
-                self.message.value += f"<pre>{html.escape(repr(again))}</pre>"
 
     def _next_stage(self) -> str:
         return self.stepper.next_stage().summary()
@@ -129,12 +115,9 @@ class ScalerPanel:
     def _settings(self) -> dict[str, Any]:
         return {name: read(self.controls[name].value) for name, (_, read) in _CONTROLS.items()}
 
-    def _show_error(self, err: Exception) -> None:
-        text = f"{type(err).__name__}: {err}"
-        guidance = explain_error(err)
-        detail = (guidance._repr_html_() if guidance is not None else
-                  f"<pre>{html.escape(traceback.format_exc())}</pre>")
-        self.message.value = f'<div class="ampnb-error" style="color:#b00"><b>{html.escape(text)}</b></div>{detail}'
+    def _error_detail(self, err: Exception) -> str:
+        guidance = explain_error(err)  # what the error means for this loop, where ampnb knows
+        return guidance._repr_html_() if guidance is not None else super()._error_detail(err)
 
     # ----- view -------------------------------------------------------------------------
 
@@ -168,7 +151,4 @@ class ScalerPanel:
         self.figure.clear()  # the twin axis goes too; the same figure is redrawn in place
         self.ax = self.figure.add_subplot(1, 1, 1)
         _VIEWS[self.view.value](self.stepper, ax=self.ax)
-        self.draws += 1
-        with self.out:
-            clear_output(wait=True)
-            display(self.figure)
+        self._show(self.figure)

@@ -6,23 +6,28 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ampnb.batch import step_loss
 from ampnb.device import TF32Setting, get_device, sync, tf32_setting
 from ampnb.device import tf32 as tf32_switch  # `tf32` is also a parameter and property here
-from ampnb.display import Table
+from ampnb.display import Table, TableView, dtype_name
+from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
-from ampnb.workbench.records import StepRecord, history_table, speedup
+from ampnb.workbench.inputs import check_inputs, output_dtype
+from ampnb.workbench.records import StepRecord, history_table, nonfinite_note, speedup
 from ampnb.workbench.state import (
     Master,
+    all_or_nothing,
     module_links,
+    nonfinite_params,
     param_dtype,
     relink,
     repoint_optimizer,
-    saved_bytes_meter,
     untouched,
 )
 
@@ -41,45 +46,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(get_device(str(device)).name)
 
 
-def _move(data: Any, device: torch.device) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.to(device)
-    if isinstance(data, dict):
-        return type(data)({k: _move(v, device) for k, v in data.items()})
-    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(_move(v, device) for v in data)
-    return data
-
-
-def _first_float_dtype(data: Any) -> torch.dtype | None:
-    if isinstance(data, torch.Tensor):
-        return data.dtype if data.is_floating_point() else None
-    items = data.values() if isinstance(data, dict) else data if isinstance(data, (list, tuple)) else ()
-    for item in items:
-        found = _first_float_dtype(item)
-        if found is not None:
-            return found
-    return None
-
-
-def _check_inputs(model: Any, optimizer: Any, loss_fn: Any, batches: list[Any]) -> None:
-    if not isinstance(model, nn.Module) or next(iter(model.parameters()), None) is None:
-        raise ValueError(f"model={type(model).__name__} is not allowed; allowed: a torch.nn.Module "
-                         f"with parameters.")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer={type(optimizer).__name__} is not allowed; allowed: a "
-                         f"torch.optim.Optimizer built on model.parameters().")
-    own = {id(p) for p in model.parameters()}
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    if not held or any(id(p) not in own for p in held):
-        raise ValueError(f"optimizer {type(optimizer).__name__} holds parameters that are not the "
-                         f"model's; allowed: an optimizer built on model.parameters().")
-    if not callable(loss_fn):
-        raise ValueError(f"loss_fn={loss_fn!r} is not allowed; allowed: a callable (outputs, targets).")
-    if not batches or not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
-        raise ValueError("batches must be a non-empty iterable of (inputs, targets) pairs.")
-
-
 def _check_tf32(tf32: Any) -> bool | None:
     """True/False/'on'/'off' as a bool, None as None (the one TF32 parser; no emulation here)."""
     try:
@@ -92,26 +58,53 @@ def _check_tf32(tf32: Any) -> bool | None:
     return None if setting is None else setting is TF32Setting.on
 
 
-class Workbench:
+@dataclass(frozen=True)
+class _Checkpoint:
+    """Everything a switch changes, to put back when it fails or is interrupted."""
+
+    mode: PrecisionMode
+    device: torch.device
+    exact: Master          # the live values, in a form that reloads into `mode` bit for bit
+    master: Master
+    steps_here: int
+    tf32: bool
+    scaler: Any
+    scaler_state: Any
+    cursor: int
+    grads: tuple[tuple[nn.Parameter, torch.Tensor | None], ...]
+    history: tuple[StepRecord, ...]
+    notes: tuple[str, ...]
+    pending: tuple[str, ...]
+
+
+class Workbench(TableView):
     """Train a real model one step at a time while switching mode, device and TF32 losslessly."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable[[Any, Any], torch.Tensor], batches: Iterable[Any],
+                 loss_fn: Callable[..., torch.Tensor] | None = None, batches: Iterable[Any] = None,
                  mode: str | int | PrecisionMode | None = None,
                  device: str | torch.device | None = None, tf32: bool = False) -> None:
-        batches = batches if isinstance(batches, list) else list(batches)
-        _check_inputs(model, optimizer, loss_fn, batches)
+        given, self._batches = check_inputs(model, optimizer, loss_fn, batches)
         tf32 = _check_tf32(tf32)
         dev = resolve_device(device if device is not None else next(model.parameters()).device)
         current = param_dtype(model)
-        chosen = get_mode(_MODE_OF_DTYPE.get(current, "32-true") if mode is None else mode)
+        described = get_mode(_MODE_OF_DTYPE.get(current, "32-true"))  # what the model is now
+        chosen = described if mode is None else get_mode(mode)
         chosen.check(dev)
-        self.model, self.optimizer, self.loss_fn, self.batches = model, optimizer, loss_fn, batches
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.batches = given
         self.history: list[StepRecord] = []
         self.notes: list[str] = []
+        self._pending: list[str] = []
         self._initial = (Master.take(model, optimizer), chosen, dev, bool(tf32))
         self._plain = (model, module_links(model))  # the module tree before any conversion
-        self._start()
+        # The model as it came, described as a mode: what an interrupted start rolls back to.
+        here = next(model.parameters()).device
+        self._mode, self._device, self._tf32 = described, here, bool(tf32)
+        self._master, self._steps_here, self._cursor = self._initial[0], 0, 0
+        self.scaler: torch.amp.GradScaler | None = None
+        self._scaler_state: dict[str, Any] | None = None
+        all_or_nothing(self._change(lambda _cp: self._start()), self._rollback)
 
     # ----- settings -----------------------------------------------------------------------
 
@@ -138,60 +131,56 @@ class Workbench:
         new_device = self._device if device is None else resolve_device(device)
         tf32 = _check_tf32(tf32)
         new_mode.check(new_device)  # everything is validated before anything changes
-        if tf32 is not None:
-            self._tf32 = bool(tf32)
-        if new_mode is self._mode and new_device == self._device:
-            return ()
-        master, notes = self._current_master(new_mode)
-        self._apply(new_mode, new_device, master)
-        self._new_notes(notes)
-        return notes
+        # The last line: past this call the switch is done or undone, never half of it.
+        return all_or_nothing(self._change(lambda cp: self._switch(new_mode, new_device, tf32, cp)),
+                              self._rollback)
 
     def restore(self) -> None:
         """Back to the weights, optimizer state and settings the Workbench was made with."""
-        self._start()
+        all_or_nothing(self._change(lambda _cp: self._start()), self._rollback)
 
     # ----- running ------------------------------------------------------------------------
 
     def step(self) -> StepRecord:
         """Run one training step under the current settings and record it."""
         mode, device, model, opt, scaler = self._mode, self._device, self.model, self.optimizer, self.scaler
-        inputs, targets = self.batches[self._cursor % len(self.batches)]
+        batch = self._batches[self._cursor % len(self._batches)]
         opt.zero_grad(set_to_none=True)
-        peak = device.type == "cuda"
-        if peak:
-            torch.cuda.reset_peak_memory_stats(device)
         scale = None if scaler is None else float(scaler.get_scale())
         with tf32_switch(self._tf32):
             sync(device)
             start = time.perf_counter()
-            x = mode.convert_input(_move(inputs, device))
-            y = _move(targets, device)
-            with saved_bytes_meter(model) as saved:
+            run = batch.to(device).convert(mode.convert_input)
+            with MemoryMeter(device) as meter:
                 with mode.forward_context(device):
-                    raw = model(x)
-                out_dtype = _first_float_dtype(raw)
-                loss = self.loss_fn(mode.convert_output(raw), y)
-            if scaler is None:
-                loss.backward()
-                opt.step()
-                skipped = False
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                # update() backs the scale off exactly when step() found inf/NaN and skipped.
-                skipped = float(scaler.get_scale()) < scale
-            value = float(loss.detach())
+                    raw = run.call(model)
+                out_dtype = output_dtype(raw)
+                loss = step_loss(mode.convert_output(raw), run, self.loss_fn)
+                if scaler is None:
+                    loss.backward()
+                    opt.step()
+                    skipped = False
+                else:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    # update() backs the scale off exactly when step() found inf/NaN and skipped.
+                    skipped = float(scaler.get_scale()) < scale
+                value = float(loss.detach())
             sync(device)
             seconds = time.perf_counter() - start
+        bad = nonfinite_params(model, opt)  # said in the step that made them, not the next
+        if bad:
+            self.notes.append(nonfinite_note(len(self.history), mode.name, bad))
+            self._pending.append(self.notes[-1])
         self._cursor += 1
         self._steps_here += 1
         record = StepRecord(
             step=len(self.history), loss=value, seconds=seconds, mode=mode.name, device=str(device),
-            tf32=self._tf32, param_dtype=self.param_dtype, output_dtype=out_dtype, memory=saved[0],
-            cuda_peak=torch.cuda.max_memory_allocated(device) if peak else None, skipped=skipped,
-            scale=scale, first_after_switch=self._steps_here == 1, notes=tuple(self._pending))
+            tf32=self._tf32, param_dtype=self.param_dtype, output_dtype=out_dtype,
+            memory=meter.peak_bytes, cuda_peak=meter.cuda_peak_bytes, skipped=skipped,
+            scale=scale, first_after_switch=self._steps_here == 1, notes=tuple(self._pending),
+            nonfinite=bad)
         self._pending.clear()
         self.history.append(record)
         return record
@@ -204,12 +193,13 @@ class Workbench:
 
     def probe(self, context: Callable[[], contextlib.AbstractContextManager]) -> Any:
         """Forward + backward of the next batch inside context(); no update, RNG and buffers kept."""
-        inputs, targets = self.batches[self._cursor % len(self.batches)]
+        batch = self._batches[self._cursor % len(self._batches)]
         mode, device = self._mode, self._device
-        with untouched(self.model, device), tf32_switch(self._tf32), context() as seen:
+        with untouched(self.model), tf32_switch(self._tf32), context() as seen:
+            run = batch.to(device).convert(mode.convert_input)
             with mode.forward_context(device):
-                raw = self.model(mode.convert_input(_move(inputs, device)))
-            self.loss_fn(mode.convert_output(raw), _move(targets, device)).backward()
+                raw = run.call(self.model)
+            step_loss(mode.convert_output(raw), run, self.loss_fn).backward()
         return seen
 
     # ----- what a learner reads -----------------------------------------------------------
@@ -223,35 +213,76 @@ class Workbench:
 
     def __repr__(self) -> str:
         return (f"Workbench(mode={self._mode.name!r}, device={str(self._device)!r}, "
-                f"tf32={self._tf32}, params={str(self.param_dtype).removeprefix('torch.')}, "
+                f"tf32={self._tf32}, params={dtype_name(self.param_dtype)}, "
                 f"steps={len(self.history)})")
 
     def _repr_html_(self) -> str:
         return self.table(last=10)._repr_html_()
 
-    # ----- switching ----------------------------------------------------------------------
+    # ----- switching: each change is all-or-nothing (see all_or_nothing) ------------------
 
-    def _start(self) -> None:
+    def _change(self, change: Callable[[_Checkpoint], Any]) -> Callable[[], tuple[_Checkpoint, Any]]:
+        """change(checkpoint) wrapped so that an exception in it puts everything back first."""
+        def run() -> tuple[_Checkpoint, Any]:
+            saved = self._checkpoint()
+            try:
+                return saved, change(saved)
+            except BaseException:
+                self._rollback((saved, None))
+                raise
+        return run
+
+    def _checkpoint(self) -> _Checkpoint:
+        # Nothing trained since the master was loaded: it reloads bit for bit (and keeps fp32
+        # values a true mode rounded); else the live state, copied.
+        exact = self._master if self._steps_here == 0 else Master.take(self.model, self.optimizer)
+        return _Checkpoint(self._mode, self._device, exact, self._master, self._steps_here,
+                           self._tf32, self.scaler, self._scaler_state, self._cursor,
+                           tuple((p, p.grad) for p in self.model.parameters()),
+                           tuple(self.history), tuple(self.notes), tuple(self._pending))
+
+    def _rollback(self, done: tuple[_Checkpoint, Any]) -> None:
+        """Put back what _checkpoint saw: the same values in the same mode, the same objects."""
+        cp = done[0]
+        self._apply(cp.mode, cp.device, cp.exact)
+        for p, g in cp.grads:
+            p.grad = g
+        self.scaler, self._scaler_state = cp.scaler, cp.scaler_state
+        self._master, self._steps_here, self._tf32, self._cursor = (cp.master, cp.steps_here,
+                                                                    cp.tf32, cp.cursor)
+        self.history[:], self.notes[:], self._pending[:] = cp.history, cp.notes, cp.pending
+
+    def _start(self) -> tuple[str, ...]:
         master, mode, device, tf32 = self._initial
-        self._mode, self._device, self._tf32 = None, None, tf32
-        self.scaler: torch.amp.GradScaler | None = None
-        self._scaler_state: dict[str, Any] | None = None
-        self._cursor = 0
-        self._pending: list[str] = []
+        self.scaler, self._scaler_state = None, None
+        self._cursor, self._tf32 = 0, tf32
+        self._pending.clear()
         self.history.clear()
         self.notes.clear()
         self._apply(mode, device, master)
+        return ()
 
-    def _current_master(self, new_mode: PrecisionMode) -> tuple[Master, tuple[str, ...]]:
-        """The state to carry into new_mode, and notes on what it could not keep."""
-        if self._steps_here == 0:
-            master = self._master  # nothing trained since it was taken: bit-identical
-        else:
-            master = Master.take(self.model, self.optimizer)
+    def _switch(self, mode: PrecisionMode, device: torch.device, tf32: bool | None,
+                saved: _Checkpoint) -> tuple[str, ...]:
+        if tf32 is not None:
+            self._tf32 = bool(tf32)
+        if mode is self._mode and device == self._device:
+            return ()
+        master, notes = self._current_master(mode, saved.exact)
+        self._apply(mode, device, master)
+        self.notes.extend(notes)
+        self._pending.extend(notes)
+        for note in notes:  # inside the change: a warning turned into an error undoes it
+            warnings.warn(note, PrecisionLossWarning, stacklevel=6)  # the caller of set()
+        return notes
+
+    def _current_master(self, new_mode: PrecisionMode,
+                        master: Master) -> tuple[Master, tuple[str, ...]]:
+        """The state to carry into new_mode (the checkpoint's), and notes on what it could not keep."""
         notes = []
         old = self._mode.name
         if self._steps_here and master.source_dtype in _NARROW:
-            kind = str(master.source_dtype).removeprefix("torch.")
+            kind = dtype_name(master.source_dtype)
             notes.append(f"{old} -> {new_mode.name}: the weights and optimizer state after "
                          f"{self._steps_here} step(s) in {old} hold {kind} values; they are "
                          f"carried forward as the new master (the earlier fp32 master is gone).")
@@ -263,6 +294,8 @@ class Workbench:
     def _apply(self, mode: PrecisionMode, device: torch.device, master: Master) -> None:
         """Load master into the model in mode's dtype on device; re-point optimizer and scaler."""
         before = list(self.model.parameters())
+        for p in before:
+            p.grad = None  # the last step's gradients; module.to() would convert them in place
         model, links = self._plain
         relink(links)  # undo the last mode's swaps (FP8 layers share the Parameters they wrap)
         carrier = torch.float64 if mode.param_dtype == torch.float64 else torch.float32
@@ -279,10 +312,3 @@ class Workbench:
         if self.scaler is not None and self._scaler_state:
             self.scaler.load_state_dict(self._scaler_state)  # the scale learnt so far carries on
         self._mode, self._device, self._master, self._steps_here = mode, device, master, 0
-
-    def _new_notes(self, notes: tuple[str, ...]) -> None:
-        for note in notes:
-            self.notes.append(note)
-            self._pending.append(note)
-            warnings.warn(note, PrecisionLossWarning, stacklevel=3)
-

@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from ampnb.display import Table
+from ampnb.instruments.trace import trace_ops
 
 # trace category -> what the row says to a learner, in the order the rows are shown.
 CATEGORY_LABELS = {
@@ -39,10 +40,6 @@ def summary_table(trace: Any, mode: str = "") -> Table:
                  notes=(trace.summary(),))
 
 
-def op_summary(workbench: Any) -> Table | None:
-    """The op/dtype summary of one forward+backward in the current mode; None without a tracer."""
-    try:
-        from ampnb.instruments.trace import trace_ops
-    except ImportError:  # the tracer is optional: the panel then leaves its table out
-        return None
+def op_summary(workbench: Any) -> Table:
+    """The op/dtype summary of one forward+backward in the current mode."""
     return summary_table(workbench.probe(trace_ops), workbench.mode.name)

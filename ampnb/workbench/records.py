@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb.display import Table
+from ampnb.display import Table, dtype_name, format_bytes
 
 REFERENCE_MODE = "32-true"
 
@@ -25,28 +25,20 @@ class StepRecord:
     tf32: bool                 # TF32 switch during the step (no effect on CPU)
     param_dtype: torch.dtype   # dtype of the parameters that trained
     output_dtype: torch.dtype | None  # dtype the model's forward produced (before convert_output)
-    memory: int                # bytes of tensors saved for backward (parameters not counted)
-    cuda_peak: int | None      # torch.cuda.max_memory_allocated during the step; None off CUDA
+    memory: int                # peak bytes saved for backward (MemoryMeter; parameters not counted)
+    cuda_peak: int | None      # CUDA peak above the step's start (MemoryMeter); None off CUDA
     skipped: bool              # the GradScaler skipped optimizer.step() (inf/NaN gradients)
     scale: float | None        # loss scale used this step; None without a GradScaler
     first_after_switch: bool   # first step after construction/set()/restore(): one-time costs
     notes: tuple[str, ...] = ()  # what the switches before this step changed irreversibly
+    nonfinite: tuple[str, ...] = ()  # parameters this step's update left holding inf/NaN
 
 
-def _dtype(d: torch.dtype | None) -> str:
-    return "-" if d is None else str(d).removeprefix("torch.")
-
-
-def format_bytes(n: int | None) -> str:
-    """Bytes as B / KiB / MiB / GiB."""
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.2f} GiB"
+def nonfinite_note(step: int, mode: str, names: tuple[str, ...]) -> str:
+    """What a learner reads when a step left inf/NaN in the weights."""
+    shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+    return (f"step {step} ({mode}) left inf/NaN in {len(names)} parameter(s): {shown}; its loss "
+            f"was computed before the update, the next step's loss will show it.")
 
 
 def recent_median(history: Sequence[StepRecord], mode: str, device: str,
@@ -70,11 +62,12 @@ def speedup(history: Sequence[StepRecord], mode: str, device: str,
 
 def history_table(history: Sequence[StepRecord], last: int | None = None) -> Table:
     """The step records as a table."""
-    rows = [(r.step, r.mode, r.device, "on" if r.tf32 else "off", _dtype(r.param_dtype),
+    rows = [(r.step, r.mode, r.device, "on" if r.tf32 else "off", dtype_name(r.param_dtype),
              f"{r.loss:.6g}", f"{r.seconds * 1e3:.1f} ms", format_bytes(r.memory),
              format_bytes(r.cuda_peak), "yes" if r.skipped else "",
-             "-" if r.scale is None else f"{r.scale:g}")
+             "-" if r.scale is None else f"{r.scale:g}",
+             f"inf/NaN ({len(r.nonfinite)})" if r.nonfinite else "")
             for r in (history[-last:] if last else history)]
     notes = tuple(n for r in history for n in r.notes)
     return Table(("step", "mode", "device", "tf32", "params", "loss", "time", "saved for backward",
-                  "CUDA peak", "skipped", "scale"), rows, caption="Workbench steps", notes=notes)
+                  "CUDA peak", "skipped", "scale", "weights after"), rows, caption="Workbench steps", notes=notes)

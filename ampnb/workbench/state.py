@@ -1,15 +1,17 @@
-"""Master copies of model and optimizer state, and the saved-for-backward meter."""
+"""Master copies of model and optimizer state, all-or-nothing switches, traceless probes."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+from ampnb._interrupt import Guard
+from ampnb.display import dtype_name
 
 _NARROW = (torch.float16, torch.bfloat16)
 
@@ -75,7 +77,7 @@ def param_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of the model's floating parameters (ValueError when they differ)."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if len(dtypes) != 1:
-        names = sorted(str(d).removeprefix("torch.") for d in dtypes) or ["none"]
+        names = sorted(dtype_name(d) for d in dtypes) or ["none"]
         raise ValueError(f"model has floating parameters in {', '.join(names)}; allowed: "
                          f"a model whose floating parameters share one dtype.")
     return dtypes.pop()
@@ -105,43 +107,50 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, before: list[nn.Paramete
     optimizer.load_state_dict(state)
 
 
-@contextlib.contextmanager
-def untouched(model: nn.Module, device: torch.device) -> Iterator[None]:
-    """Run a probe without leaving a trace: RNG streams, buffers (BatchNorm stats), grads kept."""
+def all_or_nothing(change: Callable[[], tuple[Any, Any]], undo: Callable[[Any], None]) -> Any:
+    """change() -> (checkpoint, result), run so an interrupt anywhere in it ends in undo; the result.
+
+    change() must undo itself when it raises; an interrupt is held back while it runs and, if
+    one came, undo((checkpoint, result)) runs before it is raised (ampnb._interrupt.Guard).
+    """
+    return Guard(change, undo).__enter__()[1]
+
+
+def nonfinite_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """Names of the trained parameters holding inf/NaN: one fused amax check, names only if any."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    with torch.no_grad():
+        amax = torch._foreach_norm(params, float("inf"))  # NaN and inf both survive a max
+        if bool(torch.stack(amax).isfinite().all()):
+            return ()
+        return tuple(n for n, p in model.named_parameters() if not bool(p.isfinite().all()))
+
+
+def _leave(model: nn.Module) -> tuple[Any, ...]:
+    """Save what a probe's forward and backward change, and clear the grads for it."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b is not None}
     grads = [(p, p.grad) for p in model.parameters()]
-    devices = [device.index or 0] if device.type == "cuda" else []
-    try:
-        for p, _ in grads:
-            p.grad = None  # the probe's backward must not add into the last step's gradients
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        live = dict(model.named_buffers())
-        with torch.no_grad():
-            for name, value in buffers.items():
-                live[name].copy_(value)
-        for p, g in grads:
-            p.grad = g
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
+    for p, _ in grads:
+        p.grad = None  # the probe's backward must not add into the last step's gradients
+    return model, buffers, grads, rng
 
 
-@contextlib.contextmanager
-def saved_bytes_meter(model: nn.Module) -> Iterator[list[int]]:
-    """Sum the distinct storages autograd saves for backward; parameters are not counted."""
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
-    total = [0]
+def _put_back(saved: tuple[Any, ...]) -> None:
+    model, buffers, grads, (cpu_rng, cuda_rng) = saved
+    live = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in buffers.items():
+            live[name].copy_(value)
+    for p, g in grads:
+        p.grad = g
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # e.g. tensors without storage
-            return t
-        if ptr not in own and ptr not in seen:
-            seen.add(ptr)
-            total[0] += storage.nbytes()
-        return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield total
+def untouched(model: nn.Module) -> Guard:
+    """`with untouched(model):` a probe without a trace: RNG streams, buffers (BatchNorm stats)
+    and grads are put back, also when it raises or is interrupted."""
+    return Guard(lambda: _leave(model), _put_back)
