@@ -100,11 +100,11 @@ def _uninstall() -> None:
         _signal.signal(signal.SIGINT, _previous.pop() if _previous else signal.default_int_handler)
 
 
-def _release(caller: FrameType | None) -> None:
-    """Raise a held interrupt now, unless the code that called us must itself finish first."""
-    if _pending and not _must_hold(caller):
+def _release() -> None:
+    """Raise a held interrupt once no set-up or restore section is running any more."""
+    if _pending and not _active[1]:
         _pending.clear()
-        _raise(caller)
+        _raise(sys._getframe(1))
 
 
 class deferred:  # noqa: N801 - used like a function: `with deferred():`
@@ -124,14 +124,15 @@ class deferred:  # noqa: N801 - used like a function: `with deferred():`
         if self.installed:
             _active[1] -= 1
             _uninstall()
-        _release(sys._getframe(1))
+        _release()
 
 
 class Guard:
     """A context manager from enter() -> state and exit(state), safe against interrupts.
 
     An interrupt during enter() undoes what enter() did before it is raised; exit() always
-    runs to its end (an interrupt during it is raised afterwards). Both are critical code.
+    runs to its end (an interrupt during it is raised afterwards). While the body runs,
+    ampnb's handler stays installed, so that the entry into exit() is itself protected.
     """
 
     __slots__ = ("_enter", "_exit", "_state", "_entered", "_installed")
@@ -142,30 +143,49 @@ class Guard:
     @critical
     def __enter__(self) -> Any:
         self._installed = _install()
+        _active[1] += 1
         try:
             self._state = self._enter()
             self._entered = True
         except BaseException:
+            _active[1] -= 1
             if self._installed:
                 _uninstall()  # enter() failed before it finished: nothing to restore
             raise
-        caller = sys._getframe(1)
-        if _pending and not _must_hold(caller):  # interrupted during enter(): undo, then raise
-            self._close()
-            _release(caller)
+        _active[1] -= 1
+        if _pending and not _active[1]:  # interrupted during enter(): undo, then raise
+            self.__exit__(None, None, None)
         return self._state
 
     @critical
-    def __exit__(self, *exc: object) -> None:
-        if self._entered:
-            self._close()
-        _release(sys._getframe(1))
+    def apply(self) -> Any:
+        """enter() alone, for a change that is kept (an interrupt during it undoes it).
+
+        Unlike `with`, ampnb's SIGINT handler is not kept installed afterwards; a later
+        `__exit__` (e.g. a detach) still restores, as critical code.
+        """
+        _active[1] += 1
+        try:
+            state = self.__enter__()
+            if self._installed:
+                self._installed = False
+                _uninstall()
+        finally:
+            _active[1] -= 1
+        if _pending and not _active[1]:
+            self.__exit__(None, None, None)
+        return state
 
     @critical
-    def _close(self) -> None:
-        self._entered = False
+    def __exit__(self, *exc: object) -> None:
+        _active[1] += 1
         try:
-            self._exit(self._state)
+            if self._entered:
+                self._entered = False
+                self._exit(self._state)
         finally:
+            _active[1] -= 1
             if self._installed:
+                self._installed = False
                 _uninstall()
+        _release()

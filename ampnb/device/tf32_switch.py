@@ -165,7 +165,7 @@ def set_tf32(enabled: bool) -> TF32State:
     """Allow (or forbid) TF32 in CUDA fp32 matmuls and cuDNN convolutions; return the old state."""
     _check_enabled(enabled)
     # Only the Guard's enter: the switch completes, or an interrupt during it is undone.
-    return Guard(lambda: _switch(enabled), restore_tf32).__enter__()
+    return Guard(lambda: _switch(enabled), restore_tf32).apply()
 
 
 def _switch_guard(enabled: bool, then: Callable[[], Any] = lambda: None,

@@ -66,7 +66,7 @@ class Fp8Stats(TableView):
 
         # Every layer watched or (on an interrupt) none; detach() is this Guard's exit.
         self._attached = Guard(attach, restore)
-        self._attached.__enter__()
+        self._attached.apply()
 
     def _observe(self, layer: Fp8Linear, role: Role | None, x: torch.Tensor,
                  scale: torch.Tensor | None, q: torch.Tensor) -> None:

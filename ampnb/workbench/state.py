@@ -113,7 +113,7 @@ def all_or_nothing(change: Callable[[], tuple[Any, Any]], undo: Callable[[Any], 
     change() must undo itself when it raises; an interrupt is held back while it runs and, if
     one came, undo((checkpoint, result)) runs before it is raised (ampnb._interrupt.Guard).
     """
-    return Guard(change, undo).__enter__()[1]
+    return Guard(change, undo).apply()[1]
 
 
 def nonfinite_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
