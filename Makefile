@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ampnb-installed
 
-.PHONY: lab test unit notebooks browser lint bench gpu-check clean
+.PHONY: lab test unit notebooks notebooks-build browser lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +22,18 @@ lab: $(STAMP)
 test: $(STAMP) lint unit notebooks browser
 
 lint: $(STAMP)
-	$(PY) -m ruff check ampnb tests benchmarks
+	$(PY) -m ruff check ampnb tests benchmarks notebooks
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/browser
 
 notebooks: $(STAMP)
-	$(PY) -m pytest -q --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks
+	$(PY) -m pytest -q --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks/*.ipynb
+
+# Rebuild the tutorials from their scripts (notebooks/NN_name.py): execute, keep checked outputs.
+# All of them, or some:  make notebooks-build NB="03 04"
+notebooks-build: $(STAMP)
+	$(PY) notebooks/build.py $(NB)
 
 browser: $(STAMP)
 	$(PY) -m pytest -q tests/browser
