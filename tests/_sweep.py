@@ -1,0 +1,86 @@
+"""Interrupt sweep: deliver a KeyboardInterrupt at each line ampnb executes, as Jupyter would.
+
+A real "interrupt kernel" is a SIGINT: Python runs the SIGINT handler at the next line, and the
+default handler raises KeyboardInterrupt there. Where ampnb holds SIGINT back
+(`ampnb._interrupt.deferred`), the handler is `_hold`, which only records it. The sweep calls
+whatever handler is installed at the chosen line, so it sees exactly what a user would.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ampnb
+
+PACKAGE = str(Path(ampnb.__file__).resolve().parent)
+
+
+def _in_ampnb(frame: Any) -> bool:
+    return frame.f_code.co_filename.startswith(PACKAGE)
+
+
+class LineCounter:
+    """Counts (or interrupts at) the line events of ampnb's own frames."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.count, self.stop_at, self.fired_at = 0, stop_at, None
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.count += 1
+            if self.count == self.stop_at:
+                self.fired_at = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                handler = signal.getsignal(signal.SIGINT)
+                if callable(handler):
+                    handler(signal.SIGINT, frame)  # default_int_handler raises here
+                else:
+                    raise KeyboardInterrupt
+        return self._local
+
+    def _global(self, frame: Any, event: str, arg: Any) -> Any:
+        return self._local if _in_ampnb(frame) else None
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        previous = sys.gettrace()
+        sys.settrace(self._global)
+        try:
+            return fn()
+        finally:
+            sys.settrace(previous)
+
+
+def lines_of(fn: Callable[[], Any]) -> int:
+    """How many ampnb line events one clean run of fn has."""
+    counter = LineCounter()
+    counter.run(fn)
+    return counter.count
+
+
+def points(total: int, budget: int) -> list[int]:
+    """Up to `budget` interrupt points spread evenly over 1..total (all of them if they fit)."""
+    if total <= budget:
+        return list(range(1, total + 1))
+    return sorted({1 + round(i * (total - 1) / (budget - 1)) for i in range(budget)})
+
+
+def sweep(setup: Callable[[], Any], run: Callable[[Any], Any],
+          check: Callable[[Any], list[str]], budget: int) -> tuple[int, list[str]]:
+    """Interrupt `run(setup())` at sampled lines; returns (points tried, leak descriptions)."""
+    total = lines_of(lambda: run(setup()))
+    leaks = []
+    tried = points(total, budget)
+    for k in tried:
+        world = setup()
+        counter = LineCounter(stop_at=k)
+        try:
+            counter.run(lambda w=world: run(w))
+        except KeyboardInterrupt:
+            pass
+        problems = check(world)
+        if problems:
+            leaks.append(f"line {k}/{total} at {counter.fired_at}: {'; '.join(problems)}")
+    return len(tried), leaks

@@ -1,0 +1,128 @@
+"""A KeyboardInterrupt at any line ampnb executes leaves the state a clean run would leave.
+
+For a handful of representative cells (each mode, --compare, --trace --hunt --memory, --tf32,
+a PrecisionPanel mode round trip), the sweep delivers an interrupt at evenly sampled lines of
+ampnb's own code (tests/_sweep.py) and checks global torch state, SIGINT handling, hooks,
+the user's weights and the Workbench's consistency after each.
+"""
+
+from __future__ import annotations
+
+import copy
+import signal
+
+import pytest
+import torch
+from _sweep import sweep
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+from ampnb import _interrupt, _state
+from ampnb.instruments.trace import is_internal, trace_ops
+
+BUDGET = 60  # interrupt points per scenario: the whole sweep stays well under 2 minutes
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "ampnb")
+    yield shell
+    shell.run_line_magic("unload_ext", "ampnb")
+
+
+def _common(before: _state.TorchState) -> list[str]:
+    problems = []
+    after = _state.snapshot()
+    if after != before:
+        changed = [k for k in before.__dataclass_fields__ if getattr(before, k) != getattr(after, k)]
+        problems.append(f"torch state changed: {', '.join(changed)}")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        problems.append(f"SIGINT handler left as {signal.getsignal(signal.SIGINT)!r}")
+    if _interrupt._pending:
+        problems.append("an interrupt is still pending")
+    if is_internal():
+        problems.append("ampnb's internal() counter is stuck: traces would see nothing")
+    return problems
+
+
+def _traces_still_work() -> list[str]:
+    with trace_ops() as t:
+        torch.ones(2) * 2
+    return [] if t.rows else ["a fresh trace_ops after the interrupt saw no ops"]
+
+
+def _cell_world(ip):
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    ip.user_ns.update(torch=torch, lin=lin, x=torch.randn(3, 8, generator=g))
+    return {"ip": ip, "lin": lin, "weights": copy.deepcopy(lin.state_dict()),
+            "before": _state.snapshot()}
+
+
+def _cell_check(world) -> list[str]:
+    problems = _common(world["before"])
+    ns = world["ip"].user_ns
+    if ns.get("lin") is not world["lin"]:
+        problems.append("the user's `lin` was rebound")
+    sd = world["lin"].state_dict()
+    if any(sd[k].dtype != v.dtype or not torch.equal(sd[k], v) for k, v in world["weights"].items()):
+        problems.append("the user's weights changed")
+    return problems + _traces_still_work()
+
+
+CELLS = [
+    ("32-true", "y = lin(x)"),
+    ("bf16-mixed", "y = lin(x)"),
+    ("16-mixed", "y = lin(x)"),
+    ("bf16-true", "y = lin(x)"),
+    ("64-true", "y = torch.ones(2)"),
+    ("--compare 32-true,bf16-mixed --repeat 1", "y = lin(x)"),
+    ("bf16-mixed --trace --hunt --memory", "lin(x).sum().backward()"),
+    ("32-true --tf32 emulate", "y = lin(x)"),
+]
+
+
+@pytest.mark.parametrize(("line", "cell"), CELLS, ids=[c[0] for c in CELLS])
+def test_interrupt_anywhere_in_a_cell_leaks_nothing(ip, line, cell):
+    def run(world):
+        with capture_output():
+            world["ip"].run_cell_magic("amp", line + " -q", cell)
+
+    tried, leaks = sweep(lambda: _cell_world(ip), run, _cell_check, BUDGET)
+    assert tried > 10
+    assert not leaks, f"{len(leaks)} of {tried} interrupt points leaked:\n" + "\n".join(leaks[:10])
+
+
+def _panel_world():
+    from ampnb.models import demo
+    from ampnb.panels import PrecisionPanel
+    from ampnb.workbench import Workbench
+
+    wb = Workbench(*demo("mlp"))
+    panel = PrecisionPanel(wb)
+    weights = {k: v.clone() for k, v in wb.model.state_dict().items()}
+    return {"panel": panel, "wb": wb, "weights": weights, "before": _state.snapshot()}
+
+
+def _panel_check(world) -> list[str]:
+    problems = _common(world["before"])
+    wb = world["wb"]
+    dtypes = {p.dtype for p in wb.model.parameters()}
+    if dtypes != {wb.mode.param_dtype}:
+        problems.append(f"Workbench says {wb.mode.name} but its weights are {dtypes}")
+    wb.set(mode="32-true")  # going back to fp32 must give the exact starting weights
+    sd = wb.model.state_dict()
+    if any(not torch.equal(sd[k].float(), v.float()) for k, v in world["weights"].items()):
+        problems.append("the fp32 weights after returning to 32-true differ from the start")
+    return problems + _traces_still_work()
+
+
+def test_interrupt_anywhere_in_a_panel_mode_round_trip_leaks_nothing():
+    def run(world):
+        world["panel"].mode.value = "bf16-true"
+        world["panel"].mode.value = "32-true"
+
+    tried, leaks = sweep(_panel_world, run, _panel_check, BUDGET)
+    assert tried > 10
+    assert not leaks, f"{len(leaks)} of {tried} interrupt points leaked:\n" + "\n".join(leaks[:10])
