@@ -10,6 +10,7 @@ from IPython.core.error import UsageError
 from IPython.display import Pretty, display
 
 from ampnb._interrupt import Guard
+from ampnb._tree import tensors
 from ampnb.comparison import Work, compare
 from ampnb.comparison.snapshot import StartState, used_names
 from ampnb.display import dtype_name
@@ -79,7 +80,7 @@ class _Runs:
         if value is not None:
             return value
         changed = {k: v for k, v in self.watch.changed().items()
-                   if isinstance(v, (torch.Tensor, torch.nn.Module))}
+                   if isinstance(v, torch.nn.Module) or tensors(v)}
         return changed or self.start.changed_modules()
 
 
