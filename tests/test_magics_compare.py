@@ -80,7 +80,7 @@ def test_a_train_step_through_a_function_leaves_the_users_model_as_it_was(ip):
     assert c.row("bf16-mixed").max_abs_error == (bf16.double() - ref.double()).abs().item() > 0
     assert c.row("bf16-mixed").result_dtypes == ("float32",)  # cross_entropy runs in fp32
     notes = " ".join(ip.user_ns["c"].notes)
-    assert "restored after each run and at the end" in notes
+    assert "restored after each run and at the end" in notes and "as before the cell" in notes
     for found in ("model (Sequential)", "opt (AdamW)", "sched (StepLR)"):
         assert found in notes
 

@@ -6,7 +6,7 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,13 +14,10 @@ import torch
 
 from ampnb._interrupt import Guard
 from ampnb._tf32 import TF32_SETTINGS, tf32_context
-from ampnb._tree import named_leaves
+from ampnb.comparison.result import REFERENCE, Comparison, Row, dtypes, errors, kept
 from ampnb.device import sync, tf32_state
-from ampnb.display import Table, TableView, format_bytes, format_seconds
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
-
-REFERENCE = "32-true"
 
 
 def _no_note(mode: PrecisionMode) -> str:
@@ -48,117 +45,6 @@ class Work:
     prepare: Callable[[PrecisionMode], str] = _no_note
     restore: Callable[[], None] = _nothing
     keep: Callable[[Any], Any] = _same
-
-
-@dataclass(frozen=True)
-class Row:
-    """One mode's measurements; errors are against the 32-true run of the same work."""
-
-    label: str
-    mode: str
-    tf32: str | None
-    seconds: float
-    times: tuple[float, ...]
-    speedup: float
-    saved_bytes: int
-    peak_bytes: int | None
-    max_abs_error: float
-    rel_error: float
-    result_dtypes: tuple[str, ...]
-    note: str = ""  # why the row is not what it seems: a failure, or nothing converted
-    failed: bool = False
-
-
-@dataclass(frozen=True, repr=False)
-class Comparison(TableView):
-    """The result of `compare`: one Row per mode, the 32-true reference first."""
-
-    device: str
-    repeat: int
-    warmup: int
-    rows: tuple[Row, ...]
-
-    @property
-    def reference(self) -> Row:
-        """The 32-true run with TF32 off (IEEE fp32) that speedups and errors are against."""
-        return self.rows[0]
-
-    def row(self, mode: str) -> Row:
-        """The last row of a mode (any name or alias get_mode accepts)."""
-        name = get_mode(mode).name
-        found = [r for r in self.rows if r.mode == name]
-        if not found:
-            raise ValueError(f"mode {name!r} was not compared; compared: {', '.join(self.labels)}")
-        return found[-1]
-
-    @property
-    def labels(self) -> tuple[str, ...]:
-        return tuple(r.label for r in self.rows)
-
-    def table(self) -> Table:
-        """The comparison as an ampnb Table."""
-        noted = any(r.note for r in self.rows)
-        rows = []
-        for r in self.rows:
-            if r.failed:
-                cells = [r.label, "failed", *["-"] * 6]
-            else:
-                cells = [r.label, format_seconds(r.seconds), f"{r.speedup:.2f}x",
-                         format_bytes(r.saved_bytes), format_bytes(r.peak_bytes),
-                         _err(r.max_abs_error), _err(r.rel_error), ", ".join(r.result_dtypes) or "-"]
-            rows.append((*cells, r.note) if noted else tuple(cells))
-        caption = (f"on {self.device}: median of {self.repeat} runs after {self.warmup} "
-                   f"warm-up, device synchronised; errors against {REFERENCE} (TF32 off)")
-        notes = ["activations saved: peak bytes autograd held for backward (memory_meter; "
-                 "parameters excluded); peak: CUDA peak allocated beyond the start"]
-        return Table(("mode", "median", "speedup", "activations saved", "peak", "max abs err",
-                      "rel err", "result dtype", *(("note",) if noted else ())), rows,
-                     caption=caption, notes=notes)
-
-
-def _err(x: float) -> str:
-    return "0" if x == 0 else f"{x:.2e}"
-
-
-def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a result (tensors, numbers, modules' state, any container) by path."""
-    for path, leaf in named_leaves(obj, prefix):
-        if isinstance(leaf, torch.Tensor):
-            yield path, leaf.detach()
-        elif isinstance(leaf, torch.nn.Module):
-            yield from leaves(dict(leaf.state_dict()), path)
-        elif isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
-            yield path, torch.tensor(float(leaf), dtype=torch.float64)
-
-
-def kept(value: Any) -> dict[str, torch.Tensor]:
-    """A result's tensors by path, copied: what later runs or restores cannot change."""
-    return {k: v.clone() for k, v in leaves(value)}
-
-
-def errors(result: Any, reference: Any) -> tuple[float, float]:
-    """(max abs error, relative L2 error) of result's float tensors against reference's."""
-    ref = {k: v for k, v in leaves(reference) if v.is_floating_point()}
-    got = {k: v for k, v in leaves(result) if v.is_floating_point()}
-    common = [k for k in ref if k in got and got[k].shape == ref[k].shape]
-    if not common:
-        return math.nan, math.nan
-    worst, diff2, ref2 = 0.0, 0.0, 0.0
-    for k in common:
-        r = ref[k].to(torch.float64)
-        d = got[k].to(device=r.device, dtype=torch.float64) - r
-        if d.numel():
-            m = d.abs().max().item()
-            worst = math.nan if math.isnan(m) or math.isnan(worst) else max(worst, m)
-        diff2 += d.square().sum().item()
-        ref2 += r.square().sum().item()
-    rel = math.sqrt(diff2) / math.sqrt(ref2) if ref2 else (0.0 if diff2 == 0 else math.inf)
-    return worst, rel
-
-
-def _dtypes(result: Any) -> tuple[str, ...]:
-    found = {str(v.dtype).removeprefix("torch.") for _, v in leaves(result) if v.is_floating_point()}
-    return tuple(sorted(found))
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -314,4 +200,4 @@ def _row(e: _Entry, ref: _Entry, times: dict, results: dict, memory: dict, notes
     med = statistics.median(times[e])
     err = (0.0, 0.0) if e == ref else errors(results[e], results[ref])
     return Row(e.label, e.mode, e.tf32, med, tuple(times[e]), statistics.median(times[ref]) / med,
-               *memory[e], *err, _dtypes(results[e]), notes.get(e, ""))
+               *memory[e], *err, dtypes(results[e]), notes.get(e, ""))

@@ -290,6 +290,8 @@ class StartState:
         """Large tensors the runs changed in place (watched, too large to copy)."""
         return [p for p, (t, v) in self.watched.items() if _version(t) != v]
 
-    def summary(self) -> str:
+    def summary(self, limit: int = 8) -> str:
         """'model (GPT2LMHeadModel), opt (AdamW)'."""
-        return ", ".join(f"{p} ({k})" for p, k in self.found.items()) or "nothing stateful"
+        items = [f"{p} ({k})" for p, k in self.found.items()]
+        more = f" and {len(items) - limit} more" if len(items) > limit else ""
+        return (", ".join(items[:limit]) + more) or "no module, optimizer, scaler or scheduler"

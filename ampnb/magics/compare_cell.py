@@ -102,9 +102,10 @@ def run_compare(shell: Any, cell: str, s: Settings, modes_text: str, repeat: int
         finally:
             progress.close()
     notes = [n for m in modes for n in _notes(s, m)]
-    notes.append(f"every run started from the state before the cell (torch seed 0) and it was "
-                 f"restored after each run and at the end: {start.summary()}; names the cell "
-                 f"bound are removed again (keep results with -o NAME)")
+    notes.append(f"every run started from the state before the cell (torch seed 0), restored "
+                 f"after each run and at the end: {start.summary()}; afterwards these and the "
+                 f"names the cell binds are as before the cell (run it without --compare to "
+                 f"keep its effects)")
     for mode, done in runs.converted.items():
         if done:
             notes.append(f"{mode}: {', '.join(done)} converted with get_mode({mode!r}) "
