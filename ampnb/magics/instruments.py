@@ -66,7 +66,7 @@ class CellMemory(TableView):
         if m.cuda_peak_bytes is not None:
             rows.append(("CUDA peak allocated (above start)", format_bytes(m.cuda_peak_bytes)))
         dtypes = ", ".join(self.param_dtypes) or "-"
-        rows += [(f"parameters of the modules the cell ran ({self.params}, {dtypes})",
+        rows += [(f"parameters of the modules the cell ran ({self.params} tensors, {dtypes})",
                   format_bytes(self.param_bytes)),
                  ("their gradients after the cell", format_bytes(self.grad_bytes))]
         return Table(("memory", "measured"), rows, caption=f"%%amp --memory on {m.device}",
