@@ -124,6 +124,35 @@ def test_gradscaler_state_is_restored(ip):
     assert scaler.state_dict() == before
 
 
+def test_state_held_in_a_closure_and_chained_schedulers_is_restored(ip):
+    ip.run_cell(
+        "def make_step():\n"
+        "    net = torch.nn.Linear(16, 4)\n"
+        "    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)\n"
+        "    warm = torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2)\n"
+        "    decay = torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)\n"
+        "    sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, decay], milestones=[2])\n"
+        "    def step():\n"
+        "        opt.zero_grad()\n"
+        "        loss = net(x).square().mean()\n"
+        "        loss.backward()\n"
+        "        opt.step()\n"
+        "        sched.step()\n"
+        "        return loss\n"
+        "    return step, net, sched\n"
+        "step, _net, _sched = make_step()\n"
+        "cycle = [1]\n"
+        "cycle.append(cycle)")  # a cyclic list is skipped, not a crash
+    step, net, sched = ip.user_ns["step"], ip.user_ns["_net"], ip.user_ns["_sched"]
+    step()
+    before = copy.deepcopy((net.state_dict(), sched.state_dict()))
+    warm = sched._schedulers[0]
+    _amp(ip, "--compare bf16-mixed -r 2", "step()")
+    assert all(torch.equal(v, before[0][k]) for k, v in net.state_dict().items())
+    assert sched.state_dict() == before[1] and sched._schedulers[0] is warm
+    assert warm.optimizer is sched.optimizer and len(sched.optimizer.state) == 2
+
+
 def test_true_modes_convert_a_model_made_before_the_cell(ip):
     lin, x = ip.user_ns["lin"], ip.user_ns["x"]
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()

@@ -116,18 +116,16 @@ class _OptimizerState:
 
 
 class _ObjectState:
-    """A GradScaler's or LR scheduler's attributes (a scheduler's optimizer kept by identity)."""
+    """A GradScaler's or LR scheduler's attributes; the objects in `shared` kept by identity."""
 
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-        self.keep = {k: v for k, v in vars(obj).items() if k == "optimizer"}
-        self.saved = copy.deepcopy({k: v for k, v in vars(obj).items() if k not in self.keep})
+    def __init__(self, obj: Any, shared: dict[int, Any]) -> None:
+        self.obj, self.shared = obj, shared
+        self.saved = copy.deepcopy(dict(vars(obj)), dict(shared))
 
     def restore(self) -> None:
         attrs = vars(self.obj)
         attrs.clear()
-        attrs.update(copy.deepcopy(self.saved))
-        attrs.update(self.keep)
+        attrs.update(copy.deepcopy(self.saved, dict(self.shared)))
 
 
 def _rng() -> tuple[Any, Any]:
@@ -140,6 +138,28 @@ def _set_rng(state: tuple[Any, Any]) -> None:
     np = sys.modules.get("numpy")
     if np is not None and state[1] is not None:
         np.random.set_state(state[1])
+
+
+def _walk(value: Any, name: str) -> list[tuple[str, Any]]:
+    """(path, leaf) inside a value, closures and bound methods included; [] if it cannot be walked."""
+    if isinstance(value, types.MethodType):
+        value = (value.__self__,)
+        name += ".__self__"
+    elif isinstance(value, types.FunctionType):  # make_step(model, opt) keeps them in a closure
+        value = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+        name += ".<closure>"
+    try:
+        return list(named_leaves(value, name))
+    except Exception:  # noqa: BLE001 - a cyclic (RecursionError) or odd container: skip it
+        return []
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 def used_names(names: Iterable[str], ns: MutableMapping[str, Any]) -> set[str]:
@@ -191,13 +211,19 @@ class StartState:
         for name, value in self.bindings.items():
             if name.startswith("_") or name in _SKIP or isinstance(value, (types.ModuleType, type)):
                 continue
-            for path, leaf in named_leaves(value, name):
+            for path, leaf in _walk(value, name):
                 if id(leaf) not in seen and isinstance(leaf, (nn.Module, torch.Tensor, *_OBJECTS)):
                     seen[id(leaf)] = (path, leaf)
-        for path, leaf in list(seen.values()):  # a scheduler's optimizer is reachable too
-            opt = getattr(leaf, "optimizer", None)
-            if isinstance(leaf, torch.optim.lr_scheduler.LRScheduler) and id(opt) not in seen:
-                seen[id(opt)] = (f"{path}.optimizer", opt)
+        for path, leaf in list(seen.values()):  # what schedulers hold is reachable too
+            if isinstance(leaf, torch.optim.lr_scheduler.LRScheduler):
+                inner = [(f"{path}.optimizer", getattr(leaf, "optimizer", None))]
+                inner += [(f"{path}._schedulers[{i}]", s)  # SequentialLR, ChainedScheduler
+                          for i, s in enumerate(getattr(leaf, "_schedulers", ()))]
+                for p, obj in inner:
+                    if obj is not None and id(obj) not in seen:
+                        seen[id(obj)] = (p, obj)
+        # Deep copies of a scheduler's or scaler's attributes keep these objects themselves.
+        self.memo = {i: obj for i, (_, obj) in seen.items()}
         self._save(list(seen.values()))
 
     def _save(self, items: list[tuple[str, Any]]) -> None:
@@ -218,7 +244,7 @@ class StartState:
                 self.objects.append(_OptimizerState(obj))
                 self.found[path] = type(obj).__name__
             elif not isinstance(obj, torch.Tensor):
-                self.objects.append(_ObjectState(obj))
+                self.objects.append(_ObjectState(obj, self.memo))
                 self.found[path] = type(obj).__name__
         budget = TENSOR_BUDGET
         self.watched: dict[str, tuple[torch.Tensor, int | None]] = {}
