@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "memory_report": "ampnb.instruments",
     "Workbench": "ampnb.workbench",
     "ScalerStepper": "ampnb.scaler",
-    "compare": "ampnb.compare",
+    "compare": "ampnb.comparison",
 }
 _SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
                "lowbit"}

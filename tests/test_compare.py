@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from ampnb import _state
-from ampnb.compare import Comparison, Work, compare, errors
+from ampnb.comparison import Comparison, Work, compare, errors, leaves
 from ampnb.formats import quantize
 
 
@@ -76,14 +78,21 @@ def test_every_run_gets_the_same_seed_and_rng_state_is_restored():
     assert c.row("bf16-mixed").max_abs_error == 0  # randn is not lowered by autocast
 
 
-def test_reset_before_every_run_and_final_before_the_last():
+def test_prepare_and_restore_around_every_run():
     calls = []
-    work = Work(run=lambda: calls.append("run"), reset=lambda: calls.append("reset"),
-                final=lambda: calls.append("final"))
+
+    def prepare(mode):
+        calls.append(("prepare", mode.name))
+        return ""
+
+    work = Work(run=lambda: calls.append("run"), prepare=prepare,
+                restore=lambda: calls.append("restore"))
     seen = []
     compare(work, ["bf16-mixed"], repeat=2, warmup=2, progress=lambda *a: seen.append(a))
     runs = 2 * (2 + 2)
-    assert calls == ["reset", "run"] * (runs - 1) + ["final", "run"]
+    assert calls.count("run") == calls.count("restore") == runs
+    assert calls[:3] == [("prepare", "32-true"), "run", "restore"]
+    assert [c for c in calls if isinstance(c, tuple)].count(("prepare", "bf16-mixed")) == 4
     assert [s[:2] for s in seen] == [(i, runs) for i in range(1, runs + 1)]
 
 
@@ -108,17 +117,74 @@ def test_saved_activation_bytes_match_saved_tensors_hooks():
     assert c.reference.peak_bytes is None  # CUDA only
 
 
-def test_state_restored_when_work_raises():
+def test_a_failing_mode_gets_a_failed_row_and_the_others_are_measured():
+    before = _state.snapshot()
+    lin, x = _linear()
+
+    def work():
+        if torch.get_autocast_dtype("cpu") == torch.float16 and torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("oneDNN refuses fp16\nsecond line of the message")
+        return lin(x)
+
+    c = compare(work, ["16-mixed", "bf16-mixed"], tf32="emulate", repeat=2)
+    assert _state.snapshot() == before
+    assert c.labels == ("32-true", "16-mixed + TF32 emulate", "bf16-mixed + TF32 emulate")
+    bad = c.row("16-mixed")
+    assert bad.failed and bad.note == "failed: RuntimeError: oneDNN refuses fp16"
+    assert bad.times == () and math.isnan(bad.seconds)
+    good = c.row("bf16-mixed")
+    assert not good.failed and len(good.times) == 2 and good.result_dtypes == ("bfloat16",)
+    text = repr(c)
+    assert "failed: RuntimeError: oneDNN refuses fp16" in text and "second line" not in text
+
+
+def test_a_failing_reference_raises_and_restores_state():
     before = _state.snapshot()
 
     def boom():
-        if torch.get_default_dtype() == torch.float16:
-            raise RuntimeError("boom in 16-true")
-        return torch.ones(1)
+        raise RuntimeError("boom in 32-true")
 
     with pytest.raises(RuntimeError, match="boom"):
         compare(boom, ["16-true"], tf32="emulate", repeat=1)
     assert _state.snapshot() == before
+
+
+def test_activation_bytes_are_memory_meters_and_exclude_parameters():
+    from ampnb.instruments import memory_meter
+
+    lin, x = _linear()
+    x = x.requires_grad_()  # the input is a leaf too: only computed tensors are activations
+    net = torch.nn.Sequential(lin, torch.nn.GELU(), torch.nn.Linear(8, 4))
+    c = compare(lambda: net(x), ["bf16-mixed"], repeat=1)
+    for mode, ctx in (("32-true", contextlib.nullcontext()),
+                      ("bf16-mixed", torch.autocast("cpu", dtype=torch.bfloat16))):
+        with memory_meter() as m, ctx:
+            net(x)
+        assert c.row(mode).saved_bytes == m.peak_bytes > 0
+    params = sum(p.numel() * p.element_size() for p in net.parameters())
+    with memory_meter() as m:
+        net(x)
+    # what autograd saved, hand-counted: the GELU input and the second Linear's input (fp32)
+    assert m.peak_bytes == 2 * 4 * 8 * 4 and c.reference.saved_bytes != params + m.peak_bytes
+
+
+def test_structured_results_are_compared_field_by_field():
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        extra: dict
+
+    ref = Out(torch.tensor([1.0, 2.0]), {"h": torch.tensor([3.0])})
+    got = Out(torch.tensor([1.0, 2.5]), {"h": torch.tensor([3.0])})
+    assert dict(leaves(ref, "out")).keys() == {"out.logits", "out.extra['h']"}
+    assert errors(got, ref) == (0.5, pytest.approx(0.5 / math.sqrt(14)))
+    pytest.importorskip("transformers")
+    from transformers.modeling_outputs import CausalLMOutput
+
+    a = CausalLMOutput(loss=torch.tensor(1.0), logits=torch.ones(2))
+    b = CausalLMOutput(loss=torch.tensor(1.0), logits=torch.tensor([1.0, 0.75]))
+    assert [k for k, _ in leaves(a, "out")] == ["out.loss", "out.logits"]
+    assert errors(b, a)[0] == 0.25
 
 
 def test_state_unchanged_after_compare():

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
+from _magics_kit import amp as _amp
+from _magics_kit import shell_with_ampnb
+from _magics_kit import shown as _shown
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from ampnb import _state
@@ -18,30 +18,7 @@ from ampnb.magics.amp import AmpMagics
 
 @pytest.fixture
 def ip():
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "ampnb")
-    g = torch.Generator().manual_seed(0)
-    lin = torch.nn.Linear(16, 8)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(8, 16, generator=g))
-    shell.user_ns.update(torch=torch, lin=lin, x=torch.randn(4, 16, generator=g))
-    before = _state.snapshot()
-    yield shell
-    shell.run_line_magic("unload_ext", "ampnb")
-    for name in ("y", "r", "c", "z", "made", "opt", "model", "loss"):
-        shell.user_ns.pop(name, None)
-    assert _state.snapshot() == before
-
-
-def _amp(ip, line, cell):
-    with capture_output() as out:
-        value = ip.run_cell_magic("amp", line, cell)
-    return value, out
-
-
-def _shown(out) -> str:
-    """Everything a cell printed or displayed, as plain text."""
-    return out.stdout + "".join(o.data.get("text/plain", "") for o in out.outputs)
+    yield from shell_with_ampnb()
 
 
 def test_mixed_mode_runs_under_autocast_and_reports_dtypes(ip):
@@ -84,47 +61,6 @@ def test_tf32_on_on_cpu_says_it_changes_nothing(ip):
     _amp(ip, "32-true --tf32 on -o r", "y = lin(x)")
     assert torch.equal(ip.user_ns["y"], ip.user_ns["lin"](ip.user_ns["x"]))
     assert any("no effect on cpu" in n for n in ip.user_ns["r"].notes)
-
-
-def test_compare_errors_match_independent_computation_and_originals_stay(ip):
-    lin = ip.user_ns["lin"]
-    _amp(ip, "--compare bf16-mixed,16-mixed --repeat 2 -o c", "y = lin(x)")
-    c = ip.user_ns["c"].comparison
-    assert c.labels == ("32-true", "bf16-mixed", "16-mixed")
-    y32 = lin(ip.user_ns["x"]).detach()
-    for mode, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)):
-        with torch.autocast("cpu", dtype=dtype):
-            y = lin(ip.user_ns["x"]).detach()
-        assert c.row(mode).max_abs_error == (y.float() - y32).abs().max().item()
-    assert ip.user_ns["lin"] is lin  # the last run used the user's own objects
-    assert ip.user_ns["y"].dtype == torch.float16  # ... under the last mode
-
-
-def test_compare_starts_every_run_from_the_same_state(ip):
-    start = copy.deepcopy(ip.user_ns["lin"])
-    ip.user_ns["model"] = model = copy.deepcopy(start)
-    ip.user_ns["opt"] = torch.optim.SGD(model.parameters(), lr=0.1)
-    cell = "opt.zero_grad()\nloss = model(x).square().mean()\nloss.backward()\nopt.step()"
-    _amp(ip, "--compare bf16-mixed -r 2 -o c", cell)
-    # By hand: one step from the start under bf16 autocast (the last mode).
-    ref = copy.deepcopy(start)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = ref(ip.user_ns["x"]).square().mean()
-    loss.backward()
-    ref_opt.step()
-    assert ip.user_ns["model"] is model
-    assert torch.equal(model.weight, ref.weight)  # one step, not one per run
-    # The cell returns nothing, so the result is what it rebound: loss, as by hand.
-    by_hand = str(loss.dtype).removeprefix("torch.")
-    assert ip.user_ns["c"].comparison.row("bf16-mixed").result_dtypes == (by_hand,)
-
-
-def test_compare_restores_the_users_objects_when_the_cell_raises(ip):
-    lin = ip.user_ns["lin"]
-    with pytest.raises(ZeroDivisionError):
-        _amp(ip, "--compare bf16-mixed -r 1", "y = lin(x)\n1 / 0")
-    assert ip.user_ns["lin"] is lin and "y" not in ip.user_ns
 
 
 def test_show_code_runs_and_gives_the_same_result(ip):
@@ -305,7 +241,7 @@ def test_hunt_notes_the_finding_on_an_error_and_restores_state(ip):
 
 def test_memory_measures_what_autograd_saved(ip):
     _amp(ip, "bf16-mixed --memory -o r", "y = lin(x)\nloss = y.float().sum()")
-    m = _extra(ip.user_ns["r"], "MemoryMeter")
+    m = _extra(ip.user_ns["r"], "CellMemory")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = ip.user_ns["lin"](ip.user_ns["x"])
     fn = y.grad_fn  # autograd's own record of what addmm saved (the weight is a parameter)
@@ -320,7 +256,7 @@ def test_all_three_flags_together_keep_the_instruments_out_of_the_trace(ip):
     r = ip.user_ns["r"]
     t = _extra(r, "OpTrace")
     assert not t.select(op="isfinite") and not _extra(r, "NonFinite")
-    assert _extra(r, "MemoryMeter").live == 0
+    assert _extra(r, "CellMemory").meter.live == 0
 
 
 def test_fp8_mode_says_which_layers_run_in_fp8(ip):

@@ -11,7 +11,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Integer, TraitError, Unicode, validate
 
-from ampnb.magics import runs
+from ampnb.magics import compare_cell, runs
 
 _CELL_ONLY = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "output")
 _ONE_RUN_ONLY = ("trace", "hunt", "memory", "show_code")
@@ -91,15 +91,20 @@ class AmpMagics(Magics):
         if used:
             raise UsageError(f"{', '.join(used)} only work in a %%amp cell; %amp takes MODE, "
                              "--device, --tf32, --measure, -q")
+        wanted = {trait: value for trait, value in (("default_mode", args.mode),
+                                                    ("default_device", args.device),
+                                                    ("default_tf32", args.tf32)) if value is not None}
+        if wanted:  # check the new defaults together before setting any of them
+            try:
+                runs.settings(wanted.get("default_mode", self.default_mode),
+                              wanted.get("default_device", self.default_device),
+                              wanted.get("default_tf32", self.default_tf32))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         changed = []
-        for trait, value in (("default_mode", args.mode), ("default_device", args.device),
-                             ("default_tf32", args.tf32)):
-            if value is not None:
-                try:
-                    setattr(self, trait, value)
-                except TraitError as e:
-                    raise UsageError(str(e)) from None
-                changed.append(f"{trait} = {getattr(self, trait)!r}")
+        for trait, value in wanted.items():
+            setattr(self, trait, value)
+            changed.append(f"{trait} = {getattr(self, trait)!r}")
         if changed and not args.measure:
             if not args.quiet:
                 print("%%amp defaults: " + ", ".join(changed))
@@ -133,8 +138,8 @@ class AmpMagics(Magics):
             repeat = self.default_repeat if args.repeat is None else args.repeat
             if repeat < 1:
                 raise UsageError(f"--repeat must be >= 1, got {repeat}")
-            run = runs.run_compare(self.shell, cell, self._settings(args), args.compare, repeat,
-                                   quiet=args.quiet)
+            run = compare_cell.run_compare(self.shell, cell, self._settings(args), args.compare,
+                                           repeat, quiet=args.quiet)
         if args.output:
             self.shell.user_ns[args.output] = run
         if args.quiet:

@@ -1,62 +1,97 @@
-"""`--trace`, `--hunt`, `--memory`: attach ampnb's instruments around a %%amp cell."""
+"""`--trace`, `--hunt`, `--memory`: the instruments ampnb attaches around one %%amp cell."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 from typing import Any
 
-from IPython.core.error import UsageError
+import torch
+from torch.nn.modules import module as nn_module
 
-# flag -> (module of ampnb.instruments, the class the cell runs inside)
-_PROBES = {"trace": ("ampnb.instruments.trace", "OpTrace"),
-           "hunt": ("ampnb.instruments.hunt", "Hunter"),
-           "memory": ("ampnb.instruments.memory", "MemoryMeter")}
-
-
-def _present(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
+from ampnb._interrupt import Guard
+from ampnb.display import Table, TableView, dtype_name, format_bytes
+from ampnb.instruments.hunt import Hunter
+from ampnb.instruments.memory import MemoryMeter
+from ampnb.instruments.trace import OpTrace
 
 
-def _wanted(args: Any) -> list[str]:
-    return [f for f in _PROBES if getattr(args, f, False)]
+class CellMemory(TableView):
+    """`--memory`: bytes saved for backward (peak), and the parameters/gradients the cell used."""
+
+    def __init__(self, device: str) -> None:
+        self.meter = MemoryMeter(device)
+        self._modules: dict[int, torch.nn.Module] = {}
+        self.param_bytes = self.grad_bytes = self.params = 0
+        self.param_dtypes: tuple[str, ...] = ()
+        self._guard = Guard(self._attach, self._detach)
+
+    def _seen(self, module: torch.nn.Module, args: Any) -> None:
+        self._modules.setdefault(id(module), module)
+
+    def _attach(self) -> Any:
+        self.meter.__enter__()
+        try:
+            return nn_module.register_module_forward_pre_hook(self._seen)
+        except BaseException:
+            self.meter.__exit__(None, None, None)
+            raise
+
+    def _detach(self, handle: Any) -> None:
+        handle.remove()
+        self.meter.__exit__(None, None, None)
+
+    def __enter__(self) -> CellMemory:
+        self._guard.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._guard.__exit__(*exc)
+        params = {id(p): p for m in self._modules.values() for p in m.parameters(recurse=False)}
+        self._modules.clear()  # keep no reference to the user's modules
+        self.params = len(params)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+        self.grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params.values()
+                              if p.grad is not None)
+        self.param_dtypes = tuple(sorted({dtype_name(p.dtype) for p in params.values()}))
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.meter.peak_bytes
+
+    def table(self) -> Table:
+        """What the cell held: saved activations, and the parameters and gradients it used."""
+        m = self.meter
+        rows = [("saved for backward (peak)", format_bytes(m.peak_bytes)),
+                ("tensors saved for backward", m.tensors)]
+        if m.cuda_peak_bytes is not None:
+            rows.append(("CUDA peak allocated (above start)", format_bytes(m.cuda_peak_bytes)))
+        dtypes = ", ".join(self.param_dtypes) or "-"
+        rows += [(f"parameters of the modules the cell ran ({self.params} tensors, {dtypes})",
+                  format_bytes(self.param_bytes)),
+                 ("their gradients after the cell", format_bytes(self.grad_bytes))]
+        return Table(("memory", "measured"), rows, caption=f"%%amp --memory on {m.device}",
+                     notes=("saved for backward: peak bytes autograd held for backward while the "
+                            "cell ran (parameters excluded: they exist anyway); optimizer state is "
+                            "not counted (memory_report(model, batch) measures a whole step)",))
 
 
-def check(args: Any) -> None:
-    """UsageError for a flag whose instrument is not in this version of ampnb."""
-    missing = [f"--{f}" for f in _wanted(args) if not _present(_PROBES[f][0])]
-    if missing:
-        raise UsageError(f"{', '.join(missing)}: not available yet in this version of ampnb "
-                         f"(its instrument has not landed); run the cell without it")
+# flag -> what the cell runs inside
+_PROBES = {"trace": lambda s: OpTrace(), "hunt": lambda s: Hunter(),
+           "memory": lambda s: CellMemory(s.device)}
 
 
-def _make(flag: str, settings: Any) -> Any:
-    module, name = _PROBES[flag]
-    cls = getattr(importlib.import_module(module), name)
-    return cls(settings.device) if flag == "memory" else cls()
+def probes(args: Any, settings: Any) -> list[contextlib.AbstractContextManager]:
+    """The instruments the flags ask for, not yet entered."""
+    return [make(settings) for flag, make in _PROBES.items() if getattr(args, flag, False)]
 
 
-def enter(stack: contextlib.ExitStack, args: Any, settings: Any) -> list[Any]:
-    """Enter the instruments the flags ask for; returns them for `reports`."""
-    check(args)
-    probes = [stack.enter_context(_make(f, settings)) for f in _wanted(args)]
-    hunters = [p for p in probes if hasattr(p, "report")]
-    if hunters:
-        # Pushed last, so it runs first on the way out: an error in the cell is told
-        # where the first inf/NaN came from.
-        stack.push(lambda kind, exc, tb: _note(exc, hunters[0]))
-    return probes
+def note_finding(exc: BaseException, found: list[Any]) -> None:
+    """Tell an error in the cell where the first inf/NaN came from (--hunt)."""
+    for p in found:
+        if isinstance(p, Hunter) and p.report():
+            exc.add_note(f"%%amp --hunt: {p.report().message}")
 
 
-def _note(exc: BaseException | None, hunter: Any) -> None:
-    if exc is not None and hunter.report():
-        exc.add_note(f"%%amp --hunt: {hunter.report().message}")
-
-
-def reports(probes: list[Any]) -> tuple[Any, ...]:
+def reports(found: list[Any]) -> tuple[Any, ...]:
     """The instruments' reports, for display under the run."""
-    return tuple(p.report() if hasattr(p, "report") else p for p in probes)
+    return tuple(p.report() if hasattr(p, "report") else p for p in found)

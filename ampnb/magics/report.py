@@ -6,9 +6,11 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampnb.compare import Comparison, format_seconds
-from ampnb.display import Table
+from ampnb.comparison import Comparison
+from ampnb.display import Table, format_seconds
 from ampnb.magics.cell import Made
+
+SHOWN = 12  # rows of the table; .made keeps them all
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,8 +35,10 @@ class AmpRun:
 
     def table(self) -> Table:
         """What the cell made, with mode, device and TF32 in the caption."""
-        rows = [(m.name, m.kind, m.dtype, m.shape) for m in self.made]
+        rows = [(m.name, m.kind, m.dtype, m.shape) for m in self.made[:SHOWN]]
         notes = self.notes if rows else ("the cell made no tensors or modules", *self.notes)
+        if len(self.made) > SHOWN:
+            notes = (f"... and {len(self.made) - SHOWN} more (all of them in .made)", *notes)
         return Table(("name", "type", "dtype", "shape"), rows, caption=self.caption, notes=notes)
 
     def _parts(self) -> list[Any]:

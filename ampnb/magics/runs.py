@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from IPython.core.error import UsageError
-from IPython.display import Pretty, display
 
 from ampnb import _state
-from ampnb.compare import Work, compare
+from ampnb.comparison.run import guarded
 from ampnb.device import (
     TF32Setting,
     get_device,
@@ -24,7 +21,7 @@ from ampnb.device import (
 )
 from ampnb.device import tf32_setting as _core_tf32_setting
 from ampnb.magics import instruments
-from ampnb.magics.cell import NamespaceReset, Watch, compile_cell, run_cell
+from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
 from ampnb.magics.show_code import show_code
 from ampnb.modes import MODES, PrecisionMode, get_mode
@@ -120,97 +117,28 @@ def _state_note(before: _state.TorchState, after: _state.TorchState) -> list[str
 def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
     """Run the cell once under the settings; errors in the cell propagate after restoring state."""
     __tracebackhide__ = True  # noqa: F841
-    instruments.check(args)
     compiled = compile_cell(shell, cell)
     ns = shell.user_ns
     watch, before = Watch(ns), _state.snapshot()
-    with contextlib.ExitStack() as stack:
-        emulation = stack.enter_context(tf32_context(s.tf32, s.device))
-        stack.enter_context(s.mode.module_init_context())
-        stack.enter_context(s.mode.forward_context(s.device))
-        probes = instruments.enter(stack, args, s)
-        dev = torch.device(s.device)
-        sync(dev)
-        t0 = time.perf_counter()
-        value = run_cell(compiled, ns)
-        sync(dev)
-        seconds = time.perf_counter() - t0
+    tf32 = tf32_context(s.tf32, s.device)
+    probes = instruments.probes(args, s)
+    dev = torch.device(s.device)
+    # Entered all or none, left to the end, whatever line an interrupt lands on.
+    contexts = [tf32, s.mode.module_init_context(), s.mode.forward_context(s.device), *probes]
+    with guarded(contexts) as entered:
+        try:
+            sync(dev)
+            t0 = time.perf_counter()
+            value = run_cell(compiled, ns)
+            sync(dev)
+            seconds = time.perf_counter() - t0
+        except BaseException as e:
+            instruments.note_finding(e, probes)
+            raise
+    emulation = entered[0]
     made = watch.made(value)
     notes = (_notes(s, s.mode, emulation) + _true_mode_note(s.mode, made)
              + _state_note(before, _state.snapshot()))
     code = show_code(s.mode, s.device, s.tf32, cell) if args.show_code else None
     return AmpRun(s.mode.name, s.device, _tf32_text(s), seconds, made, tuple(notes), value,
                   code=code, extras=instruments.reports(probes))
-
-
-class _Progress:
-    """An updating line, shown only once a compare has run for more than a second."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet, self.t0, self.handle, self.total = quiet, time.perf_counter(), None, 0
-
-    def __call__(self, done: int, total: int, mode: str) -> None:
-        self.total = total
-        if self.quiet or (self.handle is None and time.perf_counter() - self.t0 < 1.0):
-            return
-        line = Pretty(f"%%amp --compare: {done}/{total} runs done (last: {mode})")
-        if self.handle is None:
-            self.handle = display(line, display_id=True)
-        else:
-            self.handle.update(line)
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.update(Pretty(f"%%amp --compare: all {self.total} runs done"))
-
-
-def _compare_modes(text: str, device: str) -> list[PrecisionMode]:
-    try:
-        modes = [_available(get_mode(m.strip()), device) for m in text.split(",") if m.strip()]
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if not modes:
-        raise UsageError(f"--compare needs modes, e.g. --compare 32-true,bf16-mixed; "
-                         f"choose from {', '.join(MODES)}")
-    return modes
-
-
-def run_compare(shell: Any, cell: str, s: Settings, modes_text: str, repeat: int,
-                quiet: bool = False) -> AmpRun:
-    """Run the cell under 32-true and each mode from the same start; compare table."""
-    __tracebackhide__ = True  # noqa: F841
-    modes = _compare_modes(modes_text, s.device)
-    compiled = compile_cell(shell, cell)
-    ns = shell.user_ns
-    reset = NamespaceReset(ns, compiled.names)
-    watch: list[Watch] = []
-
-    def start(rebind: Any) -> None:
-        rebind()
-        watch[:] = [Watch(ns, compiled.names)]
-
-    def run() -> Any:
-        value = run_cell(compiled, ns)
-        if value is not None:
-            return value
-        return {k: v for k, v in watch[0].changed().items()
-                if isinstance(v, (torch.Tensor, torch.nn.Module))}
-
-    work = Work(run, reset=lambda: start(reset.fresh), final=lambda: start(reset.originals))
-    progress = _Progress(quiet)
-    try:
-        result = compare(work, [m.name for m in modes], s.device, repeat=repeat, tf32=s.tf32,
-                         progress=progress)
-    except BaseException:
-        reset.originals()  # the user's own objects were not touched: put them back
-        raise
-    finally:
-        progress.close()
-    notes = [n for m in modes for n in _notes(s, m)]
-    if reset.original:
-        notes.append(f"each run started from fresh copies of {', '.join(reset.original)}, seed 0; "
-                     f"they now hold the state after one run under {result.rows[-1].mode}")
-    if reset.shared:
-        notes.append(f"could not copy {', '.join(reset.shared)}: all runs shared them")
-    return AmpRun("compare", s.device, _tf32_text(s), None, (), tuple(dict.fromkeys(notes)),
-                  comparison=result)

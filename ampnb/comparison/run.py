@@ -1,0 +1,204 @@
+"""Run the same work under several precision modes: median time, memory, error against 32-true."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ampnb._interrupt import Guard
+from ampnb.comparison.result import REFERENCE, Comparison, Row, dtypes, errors, kept
+from ampnb.device import TF32_ALLOWED, sync, tf32_context, tf32_setting, tf32_state
+from ampnb.instruments.memory import MemoryMeter
+from ampnb.modes import PrecisionMode, get_mode
+
+
+def _no_note(mode: PrecisionMode) -> str:
+    return ""
+
+
+def _nothing() -> None:
+    return None
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Work:
+    """What compare runs: `run()` (timed) returns the result; the rest is untimed.
+
+    `prepare(mode)` sets up the start of a run for a mode and returns a note for its row
+    ('' for none); `restore()` undoes it after every run (also on error or interrupt);
+    `keep(value)` turns a run's value into what is compared, before `restore()` runs.
+    """
+
+    run: Callable[[], Any]
+    prepare: Callable[[PrecisionMode], str] = _no_note
+    restore: Callable[[], None] = _nothing
+    keep: Callable[[Any], Any] = _same
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}; use 'cpu', 'cuda' or 'cuda:N'") from e
+
+
+@dataclass(frozen=True)
+class _Entry:
+    mode: str
+    tf32: str | None
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.tf32 in (None, "off") else f"{self.mode} + TF32 {self.tf32}"
+
+
+def _entries(modes: Iterable[str] | str, setting: str | None) -> list[_Entry]:
+    """The reference (32-true, TF32 off: IEEE fp32) first, then each mode under `setting`."""
+    items = modes.split(",") if isinstance(modes, str) else list(modes)
+    names = [get_mode(m).name for m in items if not (isinstance(m, str) and not m.strip())]
+    if not names:
+        raise ValueError("compare needs at least one mode, e.g. ('32-true', 'bf16-mixed')")
+    if setting is None:  # "as is": what the flags say now, so that a duplicate is recognised
+        setting = "on" if tf32_state().matmul else "off"
+    entries = [_Entry(REFERENCE, "off"), *(_Entry(n, setting) for n in names)]
+    return list(dict.fromkeys(entries))
+
+
+class _Entered(list):
+    """What each context's __enter__ returned, and the stack that leaves them."""
+
+    stack: contextlib.ExitStack
+
+
+def _enter_all(contexts: list[contextlib.AbstractContextManager]) -> _Entered:
+    """Enter every context in order; on an error, leave those entered before raising."""
+    entered = _Entered()
+    entered.stack = contextlib.ExitStack()
+    try:
+        for c in contexts:
+            entered.append(entered.stack.enter_context(c))
+    except BaseException:
+        entered.stack.close()
+        raise
+    return entered
+
+
+def guarded(contexts: list[contextlib.AbstractContextManager]) -> Guard:
+    """One context for several: all of them are entered, or none; leaving always completes.
+
+    `as` gives the list of what each context's __enter__ returned.
+    """
+    return Guard(lambda: _enter_all(contexts), lambda entered: entered.stack.close())
+
+
+def _one_line(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    text = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-mixed",),
+            device: str | torch.device = "cpu", repeat: int = 5, warmup: int = 1, seed: int = 0,
+            tf32: str | bool | None = None,
+            progress: Callable[[int, int, str], None] | None = None) -> Comparison:
+    """Run `work` under 32-true and each mode; median time, memory and error against 32-true.
+
+    The reference is 32-true with TF32 off (IEEE fp32); the modes run under `tf32` ('on',
+    'off', 'emulate', None = as the flags are). Every run starts from `work.prepare(mode)` and
+    `torch.manual_seed(seed)` and ends with `work.restore()`; the RNG state is restored
+    afterwards. Runs go round-robin over the modes so that drift hits all alike. A mode whose
+    run raises gets a failed row with the error; only a failing 32-true run raises.
+    """
+    work = work if isinstance(work, Work) else Work(run=work)
+    if not callable(work.run):
+        raise ValueError(f"compare needs a callable or a Work, got {type(work.run).__name__}")
+    for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    try:
+        setting = tf32_setting(tf32)
+    except ValueError:
+        raise ValueError(f"tf32 must be one of {TF32_ALLOWED}, got {tf32!r}") from None
+    dev = _device(device)
+    entries = _entries(modes, setting)
+    for e in entries:
+        get_mode(e.mode).check(dev)
+    total = len(entries) * (warmup + repeat)
+    times: dict[_Entry, list[float]] = {e: [] for e in entries}
+    results: dict[_Entry, Any] = {}
+    memory: dict[_Entry, tuple[int, int | None]] = {}
+    notes: dict[_Entry, str] = {}
+    failed: dict[_Entry, str] = {}
+    done = 0
+
+    def once(e: _Entry, meter: MemoryMeter | None = None) -> float:
+        nonlocal done
+        mode = get_mode(e.mode)
+        contexts = [tf32_context(e.tf32, dev), mode.module_init_context(), mode.forward_context(dev)]
+        with Guard(lambda: work.prepare(mode), lambda _: work.restore()) as note:
+            notes[e] = note
+            torch.manual_seed(seed)
+            with guarded(contexts + ([meter] if meter is not None else [])):
+                sync(dev)
+                t0 = time.perf_counter()
+                value = work.run()
+                sync(dev)
+                elapsed = time.perf_counter() - t0
+            if meter is not None:  # the first run of a mode: its result is the one compared
+                results[e] = kept(work.keep(value))
+        done += 1
+        if progress is not None:
+            progress(done, total, e.label)
+        return elapsed
+
+    def attempt(e: _Entry, meter: MemoryMeter | None = None) -> float | None:
+        nonlocal done
+        if e in failed:
+            done += 1
+            return None
+        try:
+            return once(e, meter)
+        except Exception as error:  # noqa: BLE001 - one mode failing leaves the others' rows
+            if e == entries[0]:
+                raise
+            failed[e] = _one_line(error)
+            done += 1
+            return None
+
+    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+        for e in entries:
+            meter = MemoryMeter(dev)
+            attempt(e, meter)  # the first warm-up also measures memory
+            memory[e] = (meter.peak_bytes, meter.cuda_peak_bytes)
+            for _ in range(warmup - 1):
+                attempt(e)
+        for _ in range(repeat):
+            for e in entries:
+                seconds = attempt(e)
+                if seconds is not None:
+                    times[e].append(seconds)
+    return Comparison(str(dev), repeat, warmup, tuple(_row(e, entries[0], times, results, memory,
+                                                           notes, failed) for e in entries))
+
+
+def _row(e: _Entry, ref: _Entry, times: dict, results: dict, memory: dict, notes: dict,
+         failed: dict) -> Row:
+    if e in failed:
+        nan = math.nan
+        return Row(e.label, e.mode, e.tf32, nan, tuple(times[e]), nan, 0, None, nan, nan, (),
+                   f"failed: {failed[e]}", failed=True)
+    med = statistics.median(times[e])
+    err = (0.0, 0.0) if e == ref else errors(results[e], results[ref])
+    return Row(e.label, e.mode, e.tf32, med, tuple(times[e]), statistics.median(times[ref]) / med,
+               *memory[e], *err, dtypes(results[e]), notes.get(e, ""))

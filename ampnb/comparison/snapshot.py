@@ -1,0 +1,323 @@
+"""The state a cell can reach: saved once, restored exactly, converted per mode for a run.
+
+`--compare` reruns a cell under several modes. A cell that calls `train_step()` changes a
+model and an optimizer it never names, so everything reachable from the namespace (its
+values, and what plain containers, dataclasses and ModelOutputs there hold) is saved:
+modules' parameters, buffers, gradients and train/eval flags, optimizers, GradScalers, LR
+schedulers, free tensors, Python's and NumPy's RNG, and the namespace's own bindings.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+import types
+from collections.abc import Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampnb._tree import named_leaves
+from ampnb.modes import PrecisionMode
+
+TENSOR_BUDGET = 256 * 2**20  # free tensors copied up to this many bytes; larger ones are watched
+_SKIP = {"In", "Out", "exit", "quit", "get_ipython"}
+_OBJECTS = (torch.optim.Optimizer, torch.amp.GradScaler, torch.optim.lr_scheduler.LRScheduler)
+
+
+@dataclass
+class _Saved:
+    """One tensor's content and autograd fields as they were."""
+
+    tensor: torch.Tensor
+    data: torch.Tensor
+    grad: torch.Tensor | None
+    requires_grad: bool
+    version: int | None
+    ptr: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Saved:
+        grad = t.grad.detach().clone() if t.is_leaf and t.grad is not None else None
+        return cls(t, t.detach().clone(), grad, t.requires_grad, _version(t), t.data_ptr())
+
+    def restore(self) -> None:
+        t = self.tensor
+        if t.is_leaf and (t.grad is not None or self.grad is not None):
+            t.grad = None
+        same = (t.dtype, t.shape, t.device) == (self.data.dtype, self.data.shape, self.data.device)
+        if not same:
+            t.data = self.data.clone()
+        else:  # always: some kernels (BatchNorm's running stats) write without a version bump
+            with torch.no_grad():
+                t.copy_(self.data)
+        if t.is_leaf:
+            t.requires_grad_(self.requires_grad)
+            if self.grad is not None:
+                t.grad = self.grad.clone()
+        self.version, self.ptr = _version(t), t.data_ptr()
+
+    def changed(self) -> bool:
+        t = self.tensor
+        return _version(t) != self.version or t.data_ptr() != self.ptr or t.dtype != self.data.dtype
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+class _ModuleFlags:
+    """A module's parameter/buffer slots and train flag (the objects, not their values)."""
+
+    def __init__(self, m: nn.Module) -> None:
+        self.module, self.training = m, m.training
+        self.params, self.buffers = dict(m._parameters), dict(m._buffers)
+
+    def restore(self) -> None:
+        m = self.module
+        m.training = self.training
+        if _rebound(m._parameters, self.params):  # the cell rebound a slot: put the original back
+            m._parameters.clear()
+            m._parameters.update(self.params)
+        if _rebound(m._buffers, self.buffers):
+            m._buffers.clear()
+            m._buffers.update(self.buffers)
+
+
+def _rebound(now: dict[str, Any], saved: dict[str, Any]) -> bool:
+    return now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items())
+
+
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+class _OptimizerState:
+    """An optimizer's per-parameter state and param_groups (the Parameters kept by identity)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        self.state = {p: {k: _clone(v) for k, v in s.items()} for p, s in opt.state.items()}
+        self.groups = [{k: (list(v) if k == "params" else copy.deepcopy(v)) for k, v in g.items()}
+                       for g in opt.param_groups]
+
+    def restore(self) -> None:
+        self.opt.state.clear()
+        self.opt.state.update({p: {k: _clone(v) for k, v in s.items()}
+                               for p, s in self.state.items()})
+        self.opt.param_groups[:] = [{k: (list(v) if k == "params" else copy.deepcopy(v))
+                                     for k, v in g.items()} for g in self.groups]
+
+
+class _ObjectState:
+    """A GradScaler's or LR scheduler's attributes; the objects in `shared` kept by identity."""
+
+    def __init__(self, obj: Any, shared: dict[int, Any]) -> None:
+        self.obj, self.shared = obj, shared
+        self.saved = copy.deepcopy(dict(vars(obj)), dict(shared))
+
+    def restore(self) -> None:
+        attrs = vars(self.obj)
+        attrs.clear()
+        attrs.update(copy.deepcopy(self.saved, dict(self.shared)))
+
+
+def _rng() -> tuple[Any, Any]:
+    np = sys.modules.get("numpy")
+    return random.getstate(), (np.random.get_state() if np is not None else None)
+
+
+def _set_rng(state: tuple[Any, Any]) -> None:
+    random.setstate(state[0])
+    np = sys.modules.get("numpy")
+    if np is not None and state[1] is not None:
+        np.random.set_state(state[1])
+
+
+def _walk(value: Any, name: str) -> list[tuple[str, Any]]:
+    """(path, leaf) inside a value, closures and bound methods included; [] if it cannot be walked."""
+    if isinstance(value, types.MethodType):
+        value = (value.__self__,)
+        name += ".__self__"
+    elif isinstance(value, types.FunctionType):  # make_step(model, opt) keeps them in a closure
+        value = [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+        name += ".<closure>"
+    try:
+        return list(named_leaves(value, name))
+    except Exception:  # noqa: BLE001 - a cyclic (RecursionError) or odd container: skip it
+        return []
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+def used_names(names: Iterable[str], ns: MutableMapping[str, Any]) -> set[str]:
+    """The cell's names and the globals read by the functions and classes it reaches."""
+    found, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        value = ns.get(name)
+        cls = value if isinstance(value, type) else type(value)
+        if isinstance(value, types.MethodType):
+            value = value.__func__
+        if isinstance(value, types.FunctionType) and value.__globals__ is ns:
+            todo.extend(_code_names(value.__code__))
+        elif cls.__module__ == ns.get("__name__"):  # a class defined in the notebook
+            for attr in vars(cls).values():
+                if isinstance(attr, types.FunctionType) and attr.__globals__ is ns:
+                    todo.extend(_code_names(attr.__code__))
+    return found
+
+
+def _top(path: str) -> str:
+    """'data[0].model' -> 'data'."""
+    return path.split("[", 1)[0].split(".", 1)[0]
+
+
+def _code_names(code: types.CodeType) -> list[str]:
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names += _code_names(c)
+    return names
+
+
+class StartState:
+    """What a namespace reaches, saved now; `restore()` puts all of it back exactly."""
+
+    def __init__(self, ns: MutableMapping[str, Any], used: Iterable[str] = ()) -> None:
+        self.ns, self.used = ns, set(used)
+        self.bindings = dict(ns)
+        self.rng = _rng()
+        self.found: dict[str, str] = {}  # name -> what kind of state it holds
+        self.modules: dict[int, nn.Module] = {}
+        self.objects: list[Any] = []
+        self.unsaved: list[str] = []  # large free tensors: watched, not copied
+        seen: dict[int, Any] = {}
+        for name, value in self.bindings.items():
+            if name.startswith("_") or name in _SKIP or isinstance(value, (types.ModuleType, type)):
+                continue
+            for path, leaf in _walk(value, name):
+                if id(leaf) not in seen and isinstance(leaf, (nn.Module, torch.Tensor, *_OBJECTS)):
+                    seen[id(leaf)] = (path, leaf)
+        for path, leaf in list(seen.values()):  # what schedulers hold is reachable too
+            if isinstance(leaf, torch.optim.lr_scheduler.LRScheduler):
+                inner = [(f"{path}.optimizer", getattr(leaf, "optimizer", None))]
+                inner += [(f"{path}._schedulers[{i}]", s)  # SequentialLR, ChainedScheduler
+                          for i, s in enumerate(getattr(leaf, "_schedulers", ()))]
+                for p, obj in inner:
+                    if obj is not None and id(obj) not in seen:
+                        seen[id(obj)] = (p, obj)
+        # Deep copies of a scheduler's or scaler's attributes keep these objects themselves.
+        self.memo = {i: obj for i, (_, obj) in seen.items()}
+        self._save(list(seen.values()))
+
+    def _save(self, items: list[tuple[str, Any]]) -> None:
+        tensors: dict[int, _Saved] = {}
+        flags = []
+        for path, obj in items:
+            if isinstance(obj, nn.Module):
+                self.modules[id(obj)] = obj
+                for m in obj.modules():
+                    flags.append(_ModuleFlags(m))
+                for t in [*obj.parameters(), *obj.buffers()]:
+                    tensors.setdefault(id(t), _Saved.of(t))
+                self.found[path] = type(obj).__name__
+            elif isinstance(obj, torch.optim.Optimizer):
+                for g in obj.param_groups:
+                    for p in g["params"]:
+                        tensors.setdefault(id(p), _Saved.of(p))
+                self.objects.append(_OptimizerState(obj))
+                self.found[path] = type(obj).__name__
+            elif not isinstance(obj, torch.Tensor):
+                self.objects.append(_ObjectState(obj, self.memo))
+                self.found[path] = type(obj).__name__
+        budget = TENSOR_BUDGET
+        self.watched: dict[str, tuple[torch.Tensor, int | None]] = {}
+        for path, obj in items:
+            if isinstance(obj, torch.Tensor) and id(obj) not in tensors:
+                size = obj.numel() * obj.element_size()
+                if size <= budget:
+                    budget -= size
+                    tensors[id(obj)] = _Saved.of(obj)
+                else:
+                    self.watched[path] = (obj, _version(obj))
+        self.flags = flags
+        self.tensors = list(tensors.values())
+        roots = set(self.modules)
+        for m in self.modules.values():
+            roots -= {id(c) for c in m.modules() if c is not m}
+        self.roots = {p: m for p, m in ((p, o) for p, o in items if id(o) in roots)}
+
+    def restore(self) -> None:
+        """Everything back as it was when saved: bindings, modules, optimizers, tensors, RNG."""
+        ns = self.ns
+        for k in [k for k in ns if k not in self.bindings]:
+            del ns[k]
+        for k, v in self.bindings.items():
+            if ns.get(k, self) is not v:
+                ns[k] = v
+        for f in self.flags:
+            f.restore()
+        for t in self.tensors:
+            t.restore()
+        for o in self.objects:
+            o.restore()
+        _set_rng(self.rng)
+
+    def convert(self, mode: PrecisionMode) -> list[str]:
+        """Convert the modules (convert_module) and the inputs the cell uses (convert_input).
+
+        Mixed modes convert nothing (autocast lowers the compute); returns what was converted.
+        """
+        if mode.is_mixed or mode.param_dtype == torch.float32:
+            return []
+        done = []
+        for path, m in self.used_modules().items():
+            mode.convert_module(m)
+            done.append(path)
+        params = {id(t.tensor) for t in self.tensors if isinstance(t.tensor, nn.Parameter)}
+        for name in sorted(self.used):
+            value = self.ns.get(name)
+            if value is None or isinstance(value, (nn.Module, types.FunctionType)):
+                continue
+            floats = [t for _, t in named_leaves(value) if isinstance(t, torch.Tensor)
+                      and t.is_floating_point() and id(t) not in params]
+            if floats:
+                self.ns[name] = mode.convert_input(value)
+                done.append(name)
+        return done
+
+    def used_modules(self) -> dict[str, nn.Module]:
+        """The root modules under a name the cell uses (directly or through its functions)."""
+        return {p: m for p, m in self.roots.items() if _top(p) in self.used}
+
+    def changed_modules(self) -> dict[str, nn.Module]:
+        """The root modules whose parameters or buffers the run changed."""
+        changed = {id(t.tensor) for t in self.tensors if t.changed()}
+        return {p: m for p, m in self.roots.items()
+                if any(id(t) in changed for t in [*m.parameters(), *m.buffers()])}
+
+    def unrestored(self) -> list[str]:
+        """Large tensors the runs changed in place (watched, too large to copy)."""
+        return [p for p, (t, v) in self.watched.items() if _version(t) != v]
+
+    def summary(self, limit: int = 8) -> str:
+        """'model (GPT2LMHeadModel), opt (AdamW)'."""
+        items = [f"{p} ({k})" for p, k in self.found.items()]
+        more = f" and {len(items) - limit} more" if len(items) > limit else ""
+        return (", ".join(items[:limit]) + more) or "no module, optimizer, scaler or scheduler"
