@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 from _workbench_kit import make
-from ampnb.compare import compare
 
 from ampnb import _state
+from ampnb.comparison import compare
 from ampnb.device import TF32_ALLOWED, TF32Setting, tf32_context, tf32_setting, tf32_state
 from ampnb.formats import quantize
 from ampnb.workbench import Workbench
