@@ -76,8 +76,8 @@ print("autocast still on after the cell?", torch.is_autocast_enabled(DEVICE))
 # %% [markdown]
 # ## Compare modes side by side
 #
-# `--compare` runs the same cell once per mode from the same starting point (fresh copies of the
-# models and tensors it touches, same seed) and measures: the median time after a warm-up, the
+# `--compare` runs the same cell once per mode from the same saved state (models, optimizers and
+# random state restored after every run, seed 0) and measures: the median time after a warm-up, the
 # speedup against `32-true`, the activation memory kept for backward, and how far the result is
 # from the fp32 result.
 #

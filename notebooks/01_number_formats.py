@@ -267,9 +267,10 @@ trace.table()
 # Pick a tensor kind, a layer (or *all layers*) and the formats to compare. The plot and the
 # coverage table below it update in place. *Capture again* reruns the batch, e.g. after you have
 # trained the model for a few steps. It works on your own model too:
-# `RangeExplorer(model, batch=(inputs, targets), loss_fn=loss_fn)`; without `loss_fn` it shows
-# weights and activations. It leaves the model's weights, `.grad` and the random state as they
-# were.
+# `RangeExplorer(model, batch, loss_fn=None)` with a batch in any form (a tensor, a keyword dict,
+# `(inputs, targets)` with a `loss_fn`); it shows gradients whenever there is a loss, the model's
+# own included. It leaves the model's weights, buffers (BatchNorm statistics), `.grad` and the
+# random state bit-identical.
 
 # %%
 explorer = ampnb.panels.RangeExplorer(demo("cnn"))
