@@ -127,7 +127,7 @@ def test_amp_memory_cell_measures_a_zoo_model_like_memory_meter():
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
-    from ampnb.instruments.memory import MemoryMeter
+    from ampnb.magics.instruments import CellMemory
 
     case = BUILDERS["gpt2"]()  # keyword inputs, Conv1D, the model's own loss
     ip = InteractiveShell.instance()
@@ -137,11 +137,11 @@ def test_amp_memory_cell_measures_a_zoo_model_like_memory_meter():
         with capture_output():
             ip.run_cell_magic("amp", "bf16-mixed --memory -o r",
                               "out = model(**batch)\nout.loss.backward()")
-        (meter,) = [e for e in ip.user_ns["r"].extras if isinstance(e, MemoryMeter)]
+        (cell,) = [e for e in ip.user_ns["r"].extras if isinstance(e, CellMemory)]
     finally:
         ip.run_line_magic("unload_ext", "ampnb")
         for name in ("model", "batch", "out", "r"):
             ip.user_ns.pop(name, None)
     with memory_meter() as hand, torch.autocast("cpu", dtype=torch.bfloat16):
         loss = case.model(**case.batch).loss
-    assert meter.peak_bytes == hand.peak_bytes > 0 and loss.dtype == torch.float32
+    assert cell.meter.peak_bytes == hand.peak_bytes > 0 and loss.dtype == torch.float32
