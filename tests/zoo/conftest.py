@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# The shared test kits (tests/_*.py) are importable when the zoo runs on its own too.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 pytest.importorskip("transformers")
 
