@@ -9,6 +9,7 @@ the user's weights and the Workbench's consistency after each.
 from __future__ import annotations
 
 import copy
+import os
 import signal
 
 import pytest
@@ -20,7 +21,9 @@ from IPython.utils.capture import capture_output
 from ampnb import _interrupt, _state
 from ampnb.instruments.trace import is_internal, trace_ops
 
-BUDGET = 60  # interrupt points per scenario: the whole sweep stays well under 2 minutes
+# Interrupt points per scenario: 60 keeps the sweep well under 2 minutes; AMPNB_SWEEP_BUDGET=0
+# tries every line (minutes).
+BUDGET = int(os.environ.get("AMPNB_SWEEP_BUDGET", "60")) or 10**9
 
 
 @pytest.fixture(scope="module")
