@@ -118,19 +118,28 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     say(f"{REFERENCE} (1/{n}): reference step")
     ref = measure(setup, cands[0], reference=True)
     if not ref.finite:
-        raise ValueError(f"the {REFERENCE} step itself produced inf/NaN ({ref.nonfinite.message}); "
-                         "the doctor compares modes against a finite fp32 step")
+        where = f" ({ref.nonfinite.message})" if ref.nonfinite else ""
+        raise ValueError(f"the {REFERENCE} step itself produced inf/NaN{where}; the doctor "
+                         "compares modes against a finite fp32 step")
     runs: dict[str, StepResult] = {REFERENCE: ref}
     times: dict[str, list[float]] = {}
     profiles: dict[str, Profile] = {}
+    ran = [cands[0]]
     for i, cand in enumerate(cands):
         if i:
             say(f"{cand.name} ({i + 1}/{n}): {cand.how}")
-            runs[cand.name] = measure(setup, cand)
+            try:
+                runs[cand.name] = measure(setup, cand)
+            except RuntimeError as e:  # e.g. a kernel this CPU lacks for the dtype
+                skipped.append(f"{cand.name}: could not run this model here "
+                               f"({str(e).splitlines()[0][:100]})")
+                continue
+            ran.append(cand)
         times[cand.name] = time_steps(setup, cand, repeat, runs[cand.name].scale)
         if profile:
             profiles[cand.name] = profile_run(setup, cand, runs[cand.name].scale)
     say("fp64 check and per-layer local errors")
+    cands = ran
     fp64 = _fp64_check(setup, ref)
     local = local_errors(setup, ref, cands)
     formats = tuple(dict.fromkeys(get_format(c.mode.compute_dtype).name for c in cands))

@@ -96,7 +96,7 @@ def mode_row(cand: Candidate, run: StepResult, ref: StepResult, times: list[floa
     speedup = ref_seconds / seconds if seconds and ref_seconds else None
     m = cand.mode
     true_low = not m.is_mixed and m.param_dtype in (torch.float16, torch.bfloat16)
-    nf = run.nonfinite
+    nf = run.nonfinite if not run.finite else None  # the hunter's site matters when it broke
     first = run.first_overflow
     return ModeRow(
         cand.name, cand.how, cand.native, keep, seconds, speedup, run.param_bytes, run.grad_bytes,

@@ -59,8 +59,15 @@ class StepResult:
     @property
     def finite(self) -> bool:
         """No inf/NaN in the loss, the forward, or the gradients the optimizer got."""
-        return (math.isfinite(self.loss) and not self.nonfinite
-                and all(bool(torch.isfinite(g).all()) for g in self.grads.values()))
+        return math.isfinite(self.loss) and _all_finite(self.grads)
+
+
+# Ops that allocate without computing: their uninitialised memory may hold inf (FACTS.md).
+ALLOCATING = frozenset({"empty_like", "empty", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+def _all_finite(grads: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(g).all()) for g in grads.values())
 
 
 def _nbytes(ts: Iterable[Any]) -> int:
@@ -161,13 +168,14 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (),
     rec = _Recorder(net, inputs=reference)
     try:
         with _keep(net, keep), cand.context(setup.device), MemoryMeter(setup.device) as meter:
-            with Hunter() as hunter:
-                loss = _backward(net, setup, cand, scale)
+            loss = _backward(net, setup, cand, scale)
             grads = _grads(net, scale)
             opt.step()
     finally:
         rec.remove()
-    found = hunter.report()
+    # The hunter checks every op (slow), so it runs only to find where a broken step broke.
+    found = NonFinite(False) if math.isfinite(loss) and _all_finite(grads) else hunt(
+        setup, cand, keep, scale)
     result = dict(name=cand.name, loss=loss, grads=grads, outputs=rec.outputs,
                   amax={k: _amax(v) for k, v in rec.outputs.items()}, nonfinite=found,
                   saved_bytes=meter.peak_bytes, param_bytes=_nbytes(net.parameters()),
@@ -176,9 +184,18 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (),
                   scale=scale, inputs=rec.inputs, before=before,
                   after={n: p.detach().clone() for n, p in net.named_parameters()} if reference
                   else {})
-    if scale is not None and found and found.phase == "backward" and math.isfinite(loss):
+    if scale is not None and math.isfinite(loss) and not _all_finite(grads):
         result.update(_rescale(setup, cand, keep, scale, found))
     return StepResult(**result)
+
+
+def hunt(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float | None) -> NonFinite:
+    """The same step again under the non-finite hunter: the first op that made inf/NaN."""
+    net, _ = _copy(setup, cand)
+    with _keep(net, keep), cand.context(setup.device), Hunter() as hunter:
+        _backward(net, setup, cand, scale)
+    found = hunter.report()
+    return NonFinite(False, ops_checked=found.ops_checked) if found.op in ALLOCATING else found
 
 
 def _rescale(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
@@ -191,7 +208,7 @@ def _rescale(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
         with _keep(net, keep), cand.context(setup.device):
             _backward(net, setup, cand, scale)
             grads = _grads(net, scale)
-        if all(bool(torch.isfinite(g).all()) for g in grads.values()):
+        if _all_finite(grads):
             return dict(grads=grads, scale=scale, skipped=skipped, first_overflow=found,
                         nonfinite=NonFinite(False, ops_checked=found.ops_checked))
     return dict(scale=scale, skipped=skipped, first_overflow=found)
