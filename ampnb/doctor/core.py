@@ -101,12 +101,23 @@ def doctor(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = No
     The user's model, optimizer and torch's global state are left as they were: every run
     works on a deep copy from the same state, batch and seed.
     """
+    return doctor_setup(model, optimizer, device, seed, modes, tolerance, repeat, profile,
+                        progress, batch=batch, loss_fn=loss_fn)
+
+
+def doctor_setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str | None,
+                 seed: int, modes: Any, tolerance: Any, repeat: int, profile: bool,
+                 progress: Callable[[str], None] | None, batch: Any = None,
+                 loss_fn: Callable[..., Any] | None = None,
+                 step: Callable[[nn.Module], Any] | None = None) -> DoctorReport:
+    """The doctor on a batch, or on a step function net -> loss (what `%%amp --doctor` passes)."""
     _check(model, optimizer, repeat)
     tol = Tolerance.of(tolerance)
     first = next(model.parameters())
     dev = get_device(device or first.device).name
     cands, skipped = candidates(modes, dev)
-    setup = Setup(model, optimizer, as_batch(batch, loss_fn).to(dev), loss_fn, dev, seed)
+    data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
+    setup = Setup(model, optimizer, data, loss_fn, dev, seed, step)
     say = progress or Progress()
     with Guard(_save, _restore), torch.random.fork_rng(devices=[]):
         return _diagnose(setup, cands, skipped, tol, repeat, profile, say)

@@ -33,6 +33,7 @@ class Setup:
     loss_fn: Callable[..., Any] | None
     device: str
     seed: int = 0
+    step: Callable[[nn.Module], Any] | None = None  # a cell's code: net -> loss (batch unused)
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,6 +80,10 @@ def _copy(setup: Setup, cand: Candidate) -> tuple[nn.Module, torch.optim.Optimiz
     with torch.random.fork_rng(devices=[]):
         net, opt = copy.deepcopy((setup.model, setup.optimizer))
     net = cand.mode.convert_module(net.to(setup.device))
+    if setup.step is not None:  # code written for the fp32 model: cast its inputs as the mode does
+        mode = cand.mode
+        net.register_forward_pre_hook(lambda m, a, k: (mode.convert_input(a), mode.convert_input(k)),
+                                      with_kwargs=True)
     if opt is None:
         opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
     for p, state in opt.state.items():  # state made for fp32 weights follows the weights
@@ -93,7 +98,10 @@ def _backward(net: nn.Module, setup: Setup, cand: Candidate, scale: float | None
     mode, dev = cand.mode, setup.device
     batch = setup.batch.convert(mode.convert_input)
     with mode.forward_context(dev):
-        loss = step_loss(batch.call(net), batch, setup.loss_fn)
+        if setup.step is not None:
+            loss = step_loss(setup.step(net), batch, None)
+        else:
+            loss = step_loss(batch.call(net), batch, setup.loss_fn)
     (loss.float() * scale if scale else loss.float()).backward()
     return float(loss.detach().float())
 

@@ -47,14 +47,15 @@ class Profiles(TableView):
 def profile_step(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = None, *,
                  optimizer: torch.optim.Optimizer | None = None, device: str | None = None,
                  modes: Iterable[str] | str | None = ("32-true", "bf16-mixed", "16-mixed"),
-                 seed: int = 0) -> Profiles:
+                 seed: int = 0, step: Callable[[nn.Module], Any] | None = None) -> Profiles:
     """Profile one training step per mode on a copy: op time by dtype, casts, unaligned matmuls."""
     from ampnb.doctor.core import _check, _restore, _save
 
     _check(model, optimizer, 1)
     dev = get_device(device or next(model.parameters()).device).name
     cands, _ = candidates(modes, dev)
-    setup = Setup(model, optimizer, as_batch(batch, loss_fn).to(dev), loss_fn, dev, seed)
+    data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
+    setup = Setup(model, optimizer, data, loss_fn, dev, seed, step)
     found = []
     with Guard(_save, _restore), torch.random.fork_rng(devices=[]):
         for cand in cands:
