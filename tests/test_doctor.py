@@ -116,3 +116,34 @@ def test_report_renders_and_exposes_data(overflow_report):
     assert "64-true" in r.fp64
     assert "16-mixed" in r.gradients and "up.weight" in r.gradients["16-mixed"]
     assert "fp16" in r.range_notes[0]
+
+
+def test_loss_scale_matches_a_real_gradscaler_loop():
+    """A loss so large that backward overflows at 2^16: skipped steps as torch.amp.GradScaler's."""
+    x, y = data()
+
+    def big_loss(out, t):
+        return CE(out, t) * 3e3
+
+    model = Plain()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    skipped = 0
+    for _ in range(40):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = big_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        scaler.unscale_(opt)
+        ok = all(torch.isfinite(p.grad).all() for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if ok:
+            break
+        skipped += 1
+    assert skipped > 0
+    r = ampnb.doctor(Plain(), (x, y), big_loss, modes=("32-true", "16-mixed"), **FAST)
+    row = r.mode("16-mixed")
+    assert row.finite and row.skipped == skipped and row.scale == scale
+    assert row.first_overflow  # what overflowed at 2^16 is named

@@ -55,7 +55,7 @@ class Boom(Exception):
 
 
 @pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
-@pytest.mark.parametrize("at_call", [1, 3, 6, 10])
+@pytest.mark.parametrize("at_call", [1, 3, 5, 6])
 def test_untouched_when_the_loss_raises(error, at_call):
     model, opt = _trained()
     before = _picture(model, opt)

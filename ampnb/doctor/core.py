@@ -25,6 +25,8 @@ from ampnb.doctor.run import Setup, StepResult, measure, time_steps
 from ampnb.formats import get_format
 from ampnb.modes import get_mode
 
+SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed once
+
 
 class Progress:
     """Prints one line per stage to stderr once the run has taken more than a second."""
@@ -146,9 +148,13 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
                                f"({str(e).splitlines()[0][:100]})")
                 continue
             ran.append(cand)
-        times[cand.name] = time_steps(setup, cand, repeat, runs[cand.name].scale)
+        if cand.label == "emulated":
+            continue  # its speed here says nothing about hardware that runs it natively
+        run = runs[cand.name]
+        slow = run.seconds > SLOW * ref.seconds  # plainly slower: one timed step tells enough
+        times[cand.name] = time_steps(setup, cand, 1 if slow else repeat, run.scale, warmup=0)
         if profile:
-            profiles[cand.name] = profile_run(setup, cand, runs[cand.name].scale)
+            profiles[cand.name] = profile_run(setup, cand, run.scale, warmup=False)
     say("fp64 check and per-layer local errors")
     cands = ran
     fp64 = _fp64_check(setup, ref)
@@ -156,7 +162,8 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     formats = tuple(dict.fromkeys(get_format(c.mode.compute_dtype).name for c in cands))
     layers = layer_rows(setup.model, ref, runs, local, formats)
     ref_s = sorted(times[REFERENCE])[len(times[REFERENCE]) // 2]
-    rows: list[ModeRow] = [mode_row(c, runs[c.name], ref, times[c.name], ref_s) for c in cands]
+    rows: list[ModeRow] = [mode_row(c, runs[c.name], ref, times.get(c.name), ref_s)
+                           for c in cands]
     by_name = {c.name: c for c in cands}
     for row in list(rows[1:]):
         cand = by_name[row.name]
@@ -164,8 +171,9 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
         def rerun(keep: tuple[str, ...], cand: Candidate = cand) -> ModeRow:
             say(f"{cand.name} with {', '.join(keep)} kept in fp32: verifying")
             run = measure(setup, cand, keep)
-            return mode_row(cand, run, ref, time_steps(setup, cand, repeat, run.scale, keep),
-                            ref_s, keep)
+            timed = None if cand.label == "emulated" else time_steps(
+                setup, cand, repeat, run.scale, keep, warmup=0)
+            return mode_row(cand, run, ref, timed, ref_s, keep)
 
         fixed = islands(row, layers, tol, rerun)
         if fixed is not None:

@@ -74,14 +74,16 @@ def _unaligned(event: Any) -> tuple[int, ...] | None:
     return shapes[0] + shapes[1][-1:] if len(shapes) >= 2 and any(d % ALIGN for d in dims) else None
 
 
-def profile_run(setup: Setup, cand: Candidate, scale: float | None = None, top: int = 12) -> Profile:
-    """Profile one step (forward, backward, optimizer step) of a candidate after one warm-up."""
+def profile_run(setup: Setup, cand: Candidate, scale: float | None = None, top: int = 12,
+                warmup: bool = True) -> Profile:
+    """Profile one step (forward, backward, optimizer step) of a candidate, after a warm-up."""
     net, opt = _copy(setup, cand)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                      if torch.device(setup.device).type == "cuda" else [])
     with cand.context(setup.device):
-        _backward(net, setup, cand, scale)
-        opt.zero_grad(set_to_none=True)
+        if warmup:
+            _backward(net, setup, cand, scale)
+            opt.zero_grad(set_to_none=True)
         with profile(activities=acts, record_shapes=True) as prof:
             _backward(net, setup, cand, scale)
             opt.step()

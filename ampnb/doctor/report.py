@@ -69,6 +69,9 @@ class DoctorReport:
                  "-" if r.vanishing_updates is None else format_percent(r.vanishing_updates))
                 for r in self.modes]
         notes = [self.fp64, *self.range_notes, *(f"not run: {s}" for s in self.skipped)]
+        if any(r.seconds is None for r in self.modes):
+            notes.append("emulated modes are not timed: their speed here says nothing about "
+                         "hardware that runs them natively")
         notes += [f"{r.label}: {r.nonfinite}" for r in self.modes if r.nonfinite]
         notes += [f"{r.label}: at the GradScaler's initial scale, {r.first_overflow}"
                   for r in self.modes if r.first_overflow]

@@ -56,6 +56,7 @@ class StepResult:
     inputs: dict[str, Any] = field(default_factory=dict)  # leaf module -> (args, kwargs), ref only
     before: dict[str, torch.Tensor] = field(default_factory=dict)  # weights before the step
     after: dict[str, torch.Tensor] = field(default_factory=dict)   # and after (reference only)
+    seconds: float = math.nan                  # the instrumented step's wall time (rough)
 
     @property
     def finite(self) -> bool:
@@ -174,13 +175,16 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (),
     scale = float(scaler.get_scale()) if scaler is not None else None
     before = {n: p.detach().clone() for n, p in net.named_parameters()} if reference else {}
     rec = _Recorder(net, inputs=reference)
+    t0 = time.perf_counter()
     try:
         with _keep(net, keep), cand.context(setup.device), MemoryMeter(setup.device) as meter:
             loss = _backward(net, setup, cand, scale)
             grads = _grads(net, scale)
             opt.step()
+        sync(setup.device)
     finally:
         rec.remove()
+    seconds = time.perf_counter() - t0
     # The hunter checks every op (slow), so it runs only to find where a broken step broke.
     found = NonFinite(False) if math.isfinite(loss) and _all_finite(grads) else hunt(
         setup, cand, keep, scale)
@@ -191,7 +195,7 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (),
                   optimizer_bytes=_nbytes(v for st in opt.state.values() for v in st.values()),
                   scale=scale, inputs=rec.inputs, before=before,
                   after={n: p.detach().clone() for n, p in net.named_parameters()} if reference
-                  else {})
+                  else {}, seconds=seconds)
     if scale is not None and math.isfinite(loss) and not _all_finite(grads):
         result.update(_rescale(setup, cand, keep, scale, found))
     return StepResult(**result)
@@ -206,29 +210,42 @@ def hunt(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float | No
     return NonFinite(False, ops_checked=found.ops_checked) if found.op in ALLOCATING else found
 
 
+def _grads_at(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float
+              ) -> dict[str, torch.Tensor]:
+    net, _ = _copy(setup, cand)
+    with _keep(net, keep), cand.context(setup.device):
+        _backward(net, setup, cand, scale)
+        return _grads(net, scale)
+
+
 def _rescale(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
              found: NonFinite) -> dict[str, Any]:
-    """Halve the loss scale, as GradScaler does after a skipped step, until gradients are finite."""
-    skipped = 0
-    while scale > MIN_SCALE:
-        scale, skipped = scale / 2, skipped + 1
-        net, _ = _copy(setup, cand)
-        with _keep(net, keep), cand.context(setup.device):
-            _backward(net, setup, cand, scale)
-            grads = _grads(net, scale)
-        if _all_finite(grads):
-            return dict(grads=grads, scale=scale, skipped=skipped, first_overflow=found,
-                        nonfinite=NonFinite(False, ops_checked=found.ops_checked))
-    return dict(scale=scale, skipped=skipped, first_overflow=found)
+    """The largest power-of-two loss scale below the initial one with finite gradients, and the
+    steps a GradScaler (halving after each skipped step) would skip to get there."""
+    top = round(math.log2(scale))
+    low = round(math.log2(MIN_SCALE))
+    grads = _grads_at(setup, cand, keep, 2.0**low)
+    if not _all_finite(grads):  # no scale helps: the gradients overflow on their own
+        return dict(scale=2.0**low, skipped=top - low, first_overflow=found)
+    hi = top  # invariant: 2**low gives finite gradients, 2**hi does not
+    while hi - low > 1:
+        mid = (low + hi) // 2
+        found_grads = _grads_at(setup, cand, keep, 2.0**mid)
+        if _all_finite(found_grads):
+            low, grads = mid, found_grads
+        else:
+            hi = mid
+    return dict(grads=grads, scale=2.0**low, skipped=top - low, first_overflow=found,
+                nonfinite=NonFinite(False, ops_checked=found.ops_checked))
 
 
 def time_steps(setup: Setup, cand: Candidate, repeat: int, scale: float | None = None,
-               keep: tuple[str, ...] = ()) -> list[float]:
-    """Wall times of `repeat` full steps (forward, backward, optimizer step) after one warm-up."""
+               keep: tuple[str, ...] = (), warmup: int = 1) -> list[float]:
+    """Wall times of `repeat` full steps (forward, backward, optimizer step) after warm-up."""
     net, opt = _copy(setup, cand)
     times = []
     with _keep(net, keep), cand.context(setup.device):
-        for i in range(repeat + 1):
+        for i in range(repeat + warmup):
             sync(setup.device)
             t0 = time.perf_counter()
             _backward(net, setup, cand, scale)
@@ -239,6 +256,6 @@ def time_steps(setup: Setup, cand: Candidate, repeat: int, scale: float | None =
             opt.step()
             opt.zero_grad(set_to_none=True)
             sync(setup.device)
-            if i:
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
     return times
