@@ -115,6 +115,7 @@ def test_report_renders_and_exposes_data(overflow_report):
     assert {"inp", "up", "norm", "head"} <= {lr.module for lr in r.layers}
     assert "64-true" in r.fp64
     assert "16-mixed" in r.gradients and "up.weight" in r.gradients["16-mixed"]
+    assert "largest gradient errors" in text
     assert "fp16" in r.range_notes[0]
 
 

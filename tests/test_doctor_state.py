@@ -131,3 +131,17 @@ def test_profile_step_splits_op_time_by_dtype():
     assert bf16.by_dtype["bf16"] > 0 and bf16.cast_s > 0
     assert ("addmm", (8, 32, 4)) in ref.unaligned  # Linear(32, 4) on a batch of 8: 4 % 8 != 0
     assert "op time by dtype" in repr(prof)
+
+
+def test_restore_pops_a_dispatch_mode_left_behind():
+    """The safety net: a mode pushed inside torch's set-up and never popped is popped on exit."""
+    from ampnb._interrupt import Guard
+    from ampnb.doctor.core import _restore, _save
+    from ampnb.fp16_kernels import Fp16KernelEmulation
+
+    state = snapshot()
+    with Guard(_save, _restore):
+        Fp16KernelEmulation().__enter__()  # as if an interrupt cut its with-block short
+        torch.set_default_dtype(torch.float64)
+        assert snapshot() != state
+    assert snapshot() == state

@@ -40,14 +40,30 @@ class Progress:
 
 
 def _save() -> tuple:
-    return torch.get_default_dtype(), tf32_state(), torch.is_grad_enabled()
+    return (torch.get_default_dtype(), tf32_state(), torch.is_grad_enabled(),
+            len(_dispatch_stack()))
 
 
 def _restore(saved: tuple) -> None:
-    dtype, tf32, grad = saved
+    """Safety net under the with-blocks: what an interrupt inside torch's own set-up could leave."""
+    dtype, tf32, grad, depth = saved
     torch.set_default_dtype(dtype)
     restore_tf32(tf32)
     torch.set_grad_enabled(grad)
+    while len(_dispatch_stack()) > depth:  # a dispatch mode pushed but never popped
+        _pop_mode()
+
+
+def _dispatch_stack() -> list:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
+
+
+def _pop_mode() -> None:
+    from torch.utils._python_dispatch import _pop_mode
+
+    _pop_mode()
 
 
 def _check(model: Any, optimizer: Any, repeat: int) -> None:

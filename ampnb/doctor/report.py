@@ -102,8 +102,18 @@ class DoctorReport:
             notes.append(f"... {more} more modules in report.layers")
         return Table(heads, rows, caption="per layer, in the order they ran", notes=notes)
 
+    def gradients_table(self, limit: int = 5) -> Table:
+        """Per mode, the parameters whose gradients differ most from 32-true's."""
+        rows = []
+        for name, errs in self.gradients.items():
+            worst = sorted(errs.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else 0)[:limit]
+            rows += [(name, p, _err(e)) for p, e in worst]
+        return Table(("mode", "parameter", "gradient rel err"), rows,
+                     caption=f"largest gradient errors per parameter (top {limit} per mode)")
+
     def __repr__(self) -> str:
-        return "\n\n".join([self.verdict, repr(self.table()), repr(self.layers_table())])
+        return "\n\n".join([self.verdict, repr(self.table()), repr(self.layers_table()),
+                             repr(self.gradients_table())])
 
     def _repr_html_(self) -> str:
         rec = self.recommended
@@ -115,7 +125,8 @@ class DoctorReport:
         shown = self.elsewhere if rec.mode == "32-true" and self.elsewhere else rec
         parts.append(f"<details><summary>code ({html.escape(shown.headline)})</summary><pre>"
                      f"{html.escape(shown.code)}</pre></details>")
-        parts += [self.table()._repr_html_(), self.layers_table()._repr_html_()]
+        parts += [self.table()._repr_html_(), self.layers_table()._repr_html_(),
+                  self.gradients_table()._repr_html_()]
         png = self._plot_png()
         if png:
             parts.append(f'<img src="data:image/png;base64,{png}"/>')
