@@ -148,3 +148,21 @@ def test_loss_scale_matches_a_real_gradscaler_loop():
     row = r.mode("16-mixed")
     assert row.finite and row.skipped == skipped and row.scale == scale
     assert row.first_overflow  # what overflowed at 2^16 is named
+
+
+def test_vanishing_updates_match_bf16_rounding():
+    """bf16-true: the share of updates that leave a bf16 weight unchanged, checked by rounding."""
+    x, y = data()
+    model = Plain()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    r = ampnb.doctor(model, (x, y), CE, optimizer=opt, modes=("32-true", "bf16-true"), **FAST)
+    ref = Plain()
+    CE(ref(x), y).backward()
+    lost = moved = 0
+    for p in ref.parameters():
+        u = -1e-4 * p.grad
+        w = p.detach().bfloat16()
+        moved += int((u != 0).sum())
+        lost += int(((u != 0) & ((w.float() + u).bfloat16() == w)).sum())
+    assert r.mode("bf16-true").vanishing_updates == pytest.approx(lost / moved, abs=0.02)
+    assert 0.1 < lost / moved  # the plant: lr 1e-4 loses many updates in bf16
