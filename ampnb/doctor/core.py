@@ -19,7 +19,7 @@ from ampnb.doctor.errors import compare, flat, rel
 from ampnb.doctor.evidence import ModeRow, mode_row, per_param, underflow
 from ampnb.doctor.layers import layer_rows, local_errors
 from ampnb.doctor.profile import Profile, profile_run
-from ampnb.doctor.recommend import Tolerance, choose, islands
+from ampnb.doctor.recommend import ISLAND_MODES, Tolerance, choose, islands
 from ampnb.doctor.report import DoctorReport
 from ampnb.doctor.run import Setup, StepResult, measure, time_steps
 from ampnb.formats import get_format
@@ -174,7 +174,8 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     say("fp64 check and per-layer local errors")
     cands = ran
     fp64 = _fp64_check(setup, ref)
-    local = local_errors(setup, ref, cands)
+    # Local errors choose fp32 islands, which only the 16-bit modes get (TF32 and FP8 have none).
+    local = local_errors(setup, ref, [cands[0], *(c for c in cands[1:] if c.name in ISLAND_MODES)])
     formats = tuple(dict.fromkeys(get_format(c.mode.compute_dtype).name for c in cands))
     layers = layer_rows(setup.model, ref, runs, local, formats)
     ref_s = sorted(times[REFERENCE])[len(times[REFERENCE]) // 2]

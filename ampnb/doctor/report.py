@@ -85,15 +85,16 @@ class DoctorReport:
     def layers_table(self, limit: int | None = 40) -> Table:
         """Per module: reference amax, headroom per format, end-to-end and local error."""
         names = [r.name for r in self.modes[1:] if not r.keep_fp32]
+        local = [n for n in names if any(n in lr.local for lr in self.layers)]
         fmts = list(self.layers[0].headroom) if self.layers else []
         rows = []
         for lr in self.layers[:limit]:
             rows.append((lr.module, lr.kind, f"{lr.amax:.3g}",
                          *(_binades(lr.headroom[f]) for f in fmts),
                          *(lr.end_to_end[n].text if n in lr.end_to_end else "-" for n in names),
-                         *(lr.local[n].text if n in lr.local else "-" for n in names)))
+                         *(lr.local[n].text if n in lr.local else "-" for n in local)))
         heads = ("module", "type", "amax (fp32)", *(f"headroom {f}" for f in fmts),
-                 *(f"end-to-end {n}" for n in names), *(f"local {n}" for n in names))
+                 *(f"end-to-end {n}" for n in names), *(f"local {n}" for n in local))
         more = len(self.layers) - len(rows)
         notes = ["headroom: binades between the module's largest fp32 output and the format's max "
                  "(negative: it overflows); errors: relative L2 (SQNR); local: the module alone "
