@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "Workbench": "ampnb.workbench",
     "ScalerStepper": "ampnb.scaler",
     "compare": "ampnb.comparison",
+    "doctor": "ampnb.doctor",
+    "keep_fp32": "ampnb.selective",
 }
 _SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
                "lowbit"}

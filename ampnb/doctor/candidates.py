@@ -1,0 +1,88 @@
+"""The candidates the doctor runs: a mode, a TF32 setting, and how this machine runs it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ampnb.device import support
+from ampnb.modes import PrecisionMode, get_mode
+
+REFERENCE = "32-true"
+TF32 = "32-true+tf32"
+DEFAULT = (REFERENCE, TF32, "bf16-mixed", "16-mixed", "bf16-true", "16-true", "transformer-engine")
+EMULATED_FP16 = "fp16 GEMMs emulated in fp32 (as tensor cores accumulate)"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One column of the doctor's evidence: a mode (+ TF32) and how it runs here."""
+
+    name: str
+    mode: PrecisionMode
+    tf32: str | None            # None, "on" or "emulate"
+    native: bool
+    how: str                    # "native", or why not: "slow: ...", "emulated: ..."
+    fp16_kernels: bool = False  # fp16 products run as fp32 kernels rounded once (CPU)
+
+    @property
+    def label(self) -> str:
+        """'native', 'slow', 'emulated' (the first word of how)."""
+        return self.how.split(":")[0].split(" ")[0] if not self.native else "native"
+
+    def context(self, device: str) -> contextlib.ExitStack:
+        """TF32 and fp16-kernel settings for a run of this candidate (forward and backward)."""
+        from ampnb._tf32 import tf32_context
+        from ampnb.fp16_kernels import emulated_fp16_kernels
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(tf32_context(self.tf32, device))
+        stack.enter_context(emulated_fp16_kernels(self.fp16_kernels))
+        return stack
+
+
+def _tf32_candidate(device: str) -> Candidate:
+    found = support("tf32", device)
+    if found.ok:
+        return Candidate(TF32, get_mode(REFERENCE), "on", True, "native")
+    return Candidate(TF32, get_mode(REFERENCE), "emulate", False,
+                     f"emulated: inputs of matmuls rounded to TF32 ({found.reason})")
+
+
+def candidate(name: str, device: str) -> Candidate | None:
+    """The candidate for a mode name on a device, or None when the mode cannot run there."""
+    if name == TF32:
+        return _tf32_candidate(device)
+    mode = get_mode(name)
+    found = support(mode, device)
+    if not found.ok:
+        return None
+    half = torch.float16 in (mode.autocast_dtype, mode.param_dtype)
+    if half and torch.device(device).type == "cpu" and not found.native:
+        return Candidate(mode.name, mode, None, False, f"emulated: {EMULATED_FP16}; {found.reason}",
+                         fp16_kernels=True)
+    return Candidate(mode.name, mode, None, found.native, "native" if found.native else found.reason)
+
+
+def candidates(modes: Iterable[str] | None, device: str) -> tuple[list[Candidate], list[str]]:
+    """(candidates that run here, reference first; lines naming those that cannot)."""
+    names = list(DEFAULT if modes is None else modes)
+    if isinstance(modes, str):
+        names = [m.strip() for m in modes.split(",")]
+    wanted = [n if n == TF32 else get_mode(n).name for n in names]
+    if REFERENCE not in wanted:
+        wanted.insert(0, REFERENCE)
+    wanted = [REFERENCE] + [n for n in dict.fromkeys(wanted) if n != REFERENCE]
+    found, skipped = [], []
+    for name in wanted:
+        if name == "64-true":
+            continue  # always run as the reference check, never a candidate
+        c = candidate(name, device)
+        if c is None:
+            skipped.append(f"{name}: {support(name, device).reason}")
+        else:
+            found.append(c)
+    return found, skipped

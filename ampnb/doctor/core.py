@@ -1,0 +1,201 @@
+"""ampnb.doctor: which mode for this model on this machine, where it breaks, what to keep in fp32."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampnb._interrupt import Guard
+from ampnb.batch import as_batch
+from ampnb.device import get_device, restore_tf32, tf32_state
+from ampnb.doctor.candidates import REFERENCE, Candidate, candidates
+from ampnb.doctor.code import code
+from ampnb.doctor.errors import compare, flat, rel
+from ampnb.doctor.evidence import ModeRow, mode_row, per_param, underflow
+from ampnb.doctor.layers import layer_rows, local_errors
+from ampnb.doctor.profile import Profile, profile_run
+from ampnb.doctor.recommend import ISLAND_MODES, Tolerance, choose, islands
+from ampnb.doctor.report import DoctorReport
+from ampnb.doctor.run import Setup, StepResult, measure, time_steps
+from ampnb.formats import get_format
+from ampnb.modes import get_mode
+
+SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed once
+
+
+class Progress:
+    """Prints one line per stage to stderr once the run has taken more than a second."""
+
+    def __init__(self, after: float = 1.0) -> None:
+        self.start, self.after = time.perf_counter(), after
+
+    def __call__(self, text: str) -> None:
+        if time.perf_counter() - self.start > self.after:
+            print(f"ampnb.doctor: {text}", file=sys.stderr, flush=True)
+
+
+def _save() -> tuple:
+    return (torch.get_default_dtype(), tf32_state(), torch.is_grad_enabled(),
+            len(_dispatch_stack()))
+
+
+def _restore(saved: tuple) -> None:
+    """Safety net under the with-blocks: what an interrupt inside torch's own set-up could leave."""
+    dtype, tf32, grad, depth = saved
+    torch.set_default_dtype(dtype)
+    restore_tf32(tf32)
+    torch.set_grad_enabled(grad)
+    while len(_dispatch_stack()) > depth:  # a dispatch mode pushed but never popped
+        _pop_mode()
+
+
+def _dispatch_stack() -> list:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
+
+
+def _pop_mode() -> None:
+    from torch.utils._python_dispatch import _pop_mode
+
+    _pop_mode()
+
+
+def _check(model: Any, optimizer: Any, repeat: int) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"doctor needs an nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no trainable parameters to train a step of")
+    allowed = "allowed: an optimizer instance over the model's parameters, or None (AdamW)"
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        name = getattr(optimizer, "__name__", type(optimizer).__name__)
+        raise ValueError(f"optimizer={name} is not allowed; {allowed}")
+    if optimizer is not None:
+        own = {id(p) for p in model.parameters()}
+        if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(f"optimizer={type(optimizer).__name__} holds parameters that are "
+                             f"not the model's; {allowed}")
+    if not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat={repeat!r} is not allowed; allowed: an integer >= 1")
+
+
+def _fp64_check(setup: Setup, ref: StepResult) -> str:
+    """32-true's own error, against the same step in float64 (where the model allows)."""
+    mode = get_mode("64-true")
+    try:
+        exact = measure(setup, Candidate(mode.name, mode, None, True, "reference check"))
+    except (RuntimeError, TypeError, ValueError) as e:
+        return f"64-true could not run this model ({str(e).splitlines()[0][:80]})"
+    if not exact.finite:
+        return "64-true produced inf/NaN: no fp64 check"
+    g = compare(flat([ref.grads[n] for n in exact.grads if n in ref.grads]),
+                flat([exact.grads[n] for n in exact.grads if n in ref.grads])).rel
+    return (f"32-true's own error against 64-true: loss {rel(ref.loss, exact.loss):.1e}, "
+            f"gradients {g:.1e}")
+
+
+def _range_notes(ref: StepResult, cands: list[Candidate]) -> list[str]:
+    notes = []
+    if any(torch.float16 in (c.mode.autocast_dtype, c.mode.param_dtype) for c in cands):
+        init = float(2**16)
+        notes.append(f"gradients that underflow fp16: {underflow(ref.grads, 1.0):.2%} of nonzero "
+                     f"values without scaling, {underflow(ref.grads, init):.2%} at the "
+                     f"GradScaler's initial scale 2^16")
+    return notes
+
+
+def doctor(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = None, *,
+           optimizer: torch.optim.Optimizer | None = None, device: str | None = None,
+           modes: Iterable[str] | str | None = None, tolerance: Any = None, repeat: int = 3,
+           profile: bool = True, seed: int = 0,
+           progress: Callable[[str], None] | None = None) -> DoctorReport:
+    """Run one step of the model in every candidate mode and recommend one, with evidence and code.
+
+    The user's model, optimizer and torch's global state are left as they were: every run
+    works on a deep copy from the same state, batch and seed.
+    """
+    return doctor_setup(model, optimizer, device, seed, modes, tolerance, repeat, profile,
+                        progress, batch=batch, loss_fn=loss_fn)
+
+
+def doctor_setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str | None,
+                 seed: int, modes: Any, tolerance: Any, repeat: int, profile: bool,
+                 progress: Callable[[str], None] | None, batch: Any = None,
+                 loss_fn: Callable[..., Any] | None = None,
+                 step: Callable[[nn.Module], Any] | None = None) -> DoctorReport:
+    """The doctor on a batch, or on a step function net -> loss (what `%%amp --doctor` passes)."""
+    _check(model, optimizer, repeat)
+    tol = Tolerance.of(tolerance)
+    first = next(model.parameters())
+    dev = get_device(device or first.device).name
+    cands, skipped = candidates(modes, dev)
+    data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
+    setup = Setup(model, optimizer, data, loss_fn, dev, seed, step)
+    say = progress or Progress()
+    with Guard(_save, _restore), torch.random.fork_rng(devices=[]):
+        return _diagnose(setup, cands, skipped, tol, repeat, profile, say)
+
+
+def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tolerance,
+              repeat: int, profile: bool, say: Callable[[str], None]) -> DoctorReport:
+    n = len(cands)
+    say(f"{REFERENCE} (1/{n}): reference step")
+    ref = measure(setup, cands[0], reference=True)
+    if not ref.finite:
+        where = f" ({ref.nonfinite.message})" if ref.nonfinite else ""
+        raise ValueError(f"the {REFERENCE} step itself produced inf/NaN{where}; the doctor "
+                         "compares modes against a finite fp32 step")
+    runs: dict[str, StepResult] = {REFERENCE: ref}
+    times: dict[str, list[float]] = {}
+    profiles: dict[str, Profile] = {}
+    ran = [cands[0]]
+    for i, cand in enumerate(cands):
+        if i:
+            say(f"{cand.name} ({i + 1}/{n}): {cand.how}")
+            try:
+                runs[cand.name] = measure(setup, cand)
+            except RuntimeError as e:  # e.g. a kernel this CPU lacks for the dtype
+                skipped.append(f"{cand.name}: could not run this model here "
+                               f"({str(e).splitlines()[0][:100]})")
+                continue
+            ran.append(cand)
+        if cand.label == "emulated":
+            continue  # its speed here says nothing about hardware that runs it natively
+        run = runs[cand.name]
+        slow = run.seconds > SLOW * ref.seconds  # plainly slower: one timed step tells enough
+        times[cand.name] = time_steps(setup, cand, 1 if slow else repeat, run.scale, warmup=0)
+        if profile:
+            profiles[cand.name] = profile_run(setup, cand, run.scale, warmup=False)
+    say("fp64 check and per-layer local errors")
+    cands = ran
+    fp64 = _fp64_check(setup, ref)
+    # Local errors choose fp32 islands, which only the 16-bit modes get (TF32 and FP8 have none).
+    local = local_errors(setup, ref, [cands[0], *(c for c in cands[1:] if c.name in ISLAND_MODES)])
+    formats = tuple(dict.fromkeys(get_format(c.mode.compute_dtype).name for c in cands))
+    layers = layer_rows(setup.model, ref, runs, local, formats)
+    ref_s = sorted(times[REFERENCE])[len(times[REFERENCE]) // 2]
+    rows: list[ModeRow] = [mode_row(c, runs[c.name], ref, times.get(c.name), ref_s)
+                           for c in cands]
+    by_name = {c.name: c for c in cands}
+    for row in list(rows[1:]):
+        cand = by_name[row.name]
+
+        def rerun(keep: tuple[str, ...], cand: Candidate = cand) -> ModeRow:
+            say(f"{cand.name} with {', '.join(keep)} kept in fp32: verifying")
+            run = measure(setup, cand, keep)
+            timed = None if cand.label == "emulated" else time_steps(
+                setup, cand, repeat, run.scale, keep, warmup=0)
+            return mode_row(cand, run, ref, timed, ref_s, keep)
+
+        fixed = islands(row, layers, tol, rerun)
+        if fixed is not None:
+            rows.append(fixed)
+    rec, elsewhere = choose(rows, tol, lambda m, k, t: code(m, k, setup.device, t))
+    grads = {c: per_param(r.grads, ref.grads) for c, r in runs.items() if c != REFERENCE}
+    return DoctorReport(setup.device, rec, elsewhere, tuple(rows), layers, grads, profiles,
+                        tuple(skipped), fp64, tuple(_range_notes(ref, cands)), tol)

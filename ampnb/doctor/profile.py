@@ -1,0 +1,106 @@
+"""Why a mode is (not) faster here: one step under torch.profiler, op time by dtype and casts."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ampnb.display import Table, TableView, format_percent, format_seconds
+from ampnb.doctor.candidates import Candidate
+from ampnb.doctor.run import Setup, _backward, _copy
+
+CASTS = frozenset({"aten::to", "aten::_to_copy", "aten::copy_"})
+MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution",
+                     "aten::_convolution", "aten::mkldnn_convolution"})
+DTYPES = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "double": "fp64",
+          "c10::Float8_e4m3fn": "fp8_e4m3", "c10::Float8_e5m2": "fp8_e5m2"}
+ALIGN = 8  # fp16/bf16 tensor cores want matrix dimensions that are multiples of 8 (FP8: 16)
+
+
+@dataclass(frozen=True, repr=False)
+class Profile(TableView):
+    """Self time of one step by op kind and dtype, the share spent casting, unaligned matmuls."""
+
+    name: str
+    how: str
+    total_s: float
+    cast_s: float
+    by_dtype: dict[str, float]      # dtype of the op's first floating input -> self seconds
+    top_ops: tuple[tuple[str, str, float, int], ...]   # (op, dtype, self seconds, calls)
+    unaligned: tuple[tuple[str, tuple[int, ...]], ...]  # matmul shapes with a dim % 8 != 0
+
+    @property
+    def cast_share(self) -> float:
+        return self.cast_s / self.total_s if self.total_s else 0.0
+
+    @property
+    def why(self) -> str:
+        """One line: casts, time by dtype, unaligned matmuls, and how the machine runs the mode."""
+        dt = ", ".join(f"{k} {format_percent(v / self.total_s)}"
+                       for k, v in sorted(self.by_dtype.items(), key=lambda kv: -kv[1])
+                       if self.total_s and v / self.total_s >= 0.01)
+        parts = [f"casts {format_percent(self.cast_share)} of op time", f"op time by dtype: {dt}"]
+        if self.unaligned:
+            parts.append(f"{len(self.unaligned)} matmul shapes with a dimension not a multiple "
+                         f"of {ALIGN}")
+        if self.how != "native":
+            parts.append(self.how)
+        return "; ".join(parts)
+
+    def table(self) -> Table:
+        rows = [(op, dt, format_seconds(s), format_percent(s / self.total_s if self.total_s else 0),
+                 n) for op, dt, s, n in self.top_ops]
+        notes = [f"why: {self.why}"]
+        notes += [f"unaligned {op}: {'x'.join(map(str, shape))}" for op, shape in self.unaligned[:5]]
+        return Table(("op", "dtype", "self time", "share", "calls"), rows,
+                     caption=f"profile of one step in {self.name} ({self.how}): "
+                             f"{format_seconds(self.total_s)} of op time", notes=notes)
+
+
+def _dtype(event: Any) -> str:
+    for d in getattr(event, "input_dtypes", None) or ():
+        if d in DTYPES:
+            return DTYPES[d]
+    return "other"
+
+
+def _unaligned(event: Any) -> tuple[int, ...] | None:
+    shapes = [tuple(s) for s in (event.input_shapes or ()) if isinstance(s, list) and len(s) >= 2]
+    dims = {d for s in shapes[:3] for d in s[-2:]}
+    return shapes[0] + shapes[1][-1:] if len(shapes) >= 2 and any(d % ALIGN for d in dims) else None
+
+
+def profile_run(setup: Setup, cand: Candidate, scale: float | None = None, top: int = 12,
+                warmup: bool = True) -> Profile:
+    """Profile one step (forward, backward, optimizer step) of a candidate, after a warm-up."""
+    net, opt = _copy(setup, cand)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                     if torch.device(setup.device).type == "cuda" else [])
+    with cand.context(setup.device):
+        if warmup:
+            _backward(net, setup, cand, scale)
+            opt.zero_grad(set_to_none=True)
+        with profile(activities=acts, record_shapes=True) as prof:
+            _backward(net, setup, cand, scale)
+            opt.step()
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    self_s = {id(e): e.self_cpu_time_total * 1e-6 for e in events}
+    by_dtype: dict[str, float] = defaultdict(float)
+    per_op: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    unaligned: dict[tuple[str, tuple[int, ...]], None] = {}
+    for e in events:
+        dt, s = _dtype(e), self_s[id(e)]
+        by_dtype[dt] += s
+        per_op[(e.name.removeprefix("aten::"), dt)][0] += s
+        per_op[(e.name.removeprefix("aten::"), dt)][1] += 1
+        if e.name in MATMULS and (shape := _unaligned(e)) is not None:
+            unaligned[(e.name.removeprefix("aten::"), shape)] = None
+    total = sum(self_s.values())
+    cast = sum(self_s[id(e)] for e in events if e.name in CASTS)
+    ops = sorted(((op, dt, s, int(n)) for (op, dt), (s, n) in per_op.items()), key=lambda r: -r[2])
+    return Profile(cand.name, cand.how, total, cast, dict(by_dtype), tuple(ops[:top]),
+                   tuple(unaligned))

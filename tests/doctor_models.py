@@ -1,0 +1,82 @@
+"""Planted cases for the doctor: models that break in a known place, in a known way."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ForwardOverflow(nn.Module):
+    """`up` outputs ~1e5 (past fp16's 65504); the LayerNorm after it brings values back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 32)
+        self.up = nn.Linear(32, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+        with torch.no_grad():
+            self.up.weight.mul_(3e5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.up(torch.relu(self.inp(x)))))
+
+
+class BackwardOverflow(nn.Module):
+    """Tiny activations into `b`, whose huge weights send gradients past 65504 in backward only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.a.weight.mul_(1e-4)
+            self.a.bias.zero_()
+            self.b.weight.mul_(1e5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class Cancel(nn.Module):
+    """(x + 256) - 256: exact in fp32, catastrophic cancellation in bf16 (spacing 2 at 256)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + 256.0) - 256.0
+
+
+class Sensitive(nn.Module):
+    """A Linear, then a layer that cancels catastrophically in bf16, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 16)
+        self.cancel = Cancel()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.cancel(self.lin(x))))
+
+
+class Plain(nn.Module):
+    """A small MLP every mode handles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def data(n: int = 8, features: int = 16, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def sum_loss(out: torch.Tensor, targets: object) -> torch.Tensor:
+    return out.float().sum()
