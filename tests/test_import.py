@@ -92,6 +92,7 @@ def test_importing_the_core_probes_no_hardware():
 PUBLIC = {"FloatFormat", "FORMATS", "get_format", "quantize", "PrecisionMode", "MODES", "get_mode",
           "devices", "support", "support_table", "tf32", "set_tf32", "coverage", "capture",
           "trace_ops", "find_nonfinite", "memory_report", "Workbench", "ScalerStepper", "compare",
+          "doctor", "keep_fp32",
           "formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
           "lowbit"}
 
