@@ -58,3 +58,26 @@ def test_cell_with_a_loss_variable_and_profile(ip):
 def test_cell_mistakes_are_usage_errors(ip, cell, words):
     with pytest.raises(UsageError, match=words):
         doctor_cell(ip, cell, **FAST)
+
+
+def test_the_flags_run_the_doctor_and_the_profile_and_refuse_other_options(ip):
+    from IPython.utils.capture import capture_output
+
+    from ampnb import _state
+
+    ip.run_line_magic("load_ext", "ampnb")
+    before = _state.snapshot()
+    weights = {k: v.clone() for k, v in ip.user_ns["model"].state_dict().items()}
+    try:
+        with capture_output():
+            ip.run_cell_magic("amp", "--profile -o prof -q", "CE(model(x), y)")
+        assert [p.name for p in ip.user_ns["prof"].profiles][0] == "32-true"
+        for line in ("bf16-mixed --doctor", "--doctor --compare 16-mixed", "--doctor --trace",
+                     "--doctor --profile"):
+            with pytest.raises(UsageError, match="cannot be combined with --doctor"):
+                ip.run_cell_magic("amp", line, "CE(model(x), y)")
+    finally:
+        ip.run_line_magic("unload_ext", "ampnb")
+        ip.user_ns.pop("prof", None)
+    assert _state.snapshot() == before
+    assert all(torch.equal(v, ip.user_ns["model"].state_dict()[k]) for k, v in weights.items())

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb.device import support
+from ampnb.device import support, tf32_context
+from ampnb.fp16_kernels import emulated_fp16_kernels
 from ampnb.modes import PrecisionMode, get_mode
 
 REFERENCE = "32-true"
@@ -35,9 +36,6 @@ class Candidate:
 
     def context(self, device: str) -> contextlib.ExitStack:
         """TF32 and fp16-kernel settings for a run of this candidate (forward and backward)."""
-        from ampnb._tf32 import tf32_context
-        from ampnb.fp16_kernels import emulated_fp16_kernels
-
         stack = contextlib.ExitStack()
         stack.enter_context(tf32_context(self.tf32, device))
         stack.enter_context(emulated_fp16_kernels(self.fp16_kernels))

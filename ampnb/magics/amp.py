@@ -13,7 +13,8 @@ from traitlets import Integer, TraitError, Unicode, validate
 
 from ampnb.magics import compare_cell, runs
 
-_CELL_ONLY = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "output")
+_CELL_ONLY = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "output", "doctor",
+              "profile")
 _ONE_RUN_ONLY = ("trace", "hunt", "memory", "show_code")
 
 
@@ -68,6 +69,10 @@ class AmpMagics(Magics):
     @argument("--memory", action="store_true", help="activation memory saved for backward")
     @argument("--show-code", action="store_true",
               help="the plain torch.amp code, and Lightning / Accelerate settings, for this run")
+    @argument("--doctor", action="store_true", help="run the cell's loss as a training step in "
+              "every mode this machine can run; evidence and a recommendation (ampnb.doctor)")
+    @argument("--profile", action="store_true", help="why each mode is (not) faster here, from "
+              "torch.profiler: op time by dtype, casts, matmul sizes")
     @argument("--measure", action="store_true", help="%%amp only: re-measure matmul throughput")
     @argument("-o", dest="output", metavar="NAME", help="store the result object in NAME")
     @argument("-q", "--quiet", action="store_true", help="print nothing")
@@ -125,6 +130,8 @@ class AmpMagics(Magics):
             raise UsageError("--measure belongs to %amp (a line); %%amp runs a cell")
         if args.output is not None and (not args.output.isidentifier() or keyword.iskeyword(args.output)):
             raise UsageError(f"-o needs a Python name to store the result in, got {args.output!r}")
+        if args.doctor or args.profile:
+            return self._diagnose(args, cell)
         if args.compare is None:
             if args.repeat is not None:
                 raise UsageError("--repeat sets the runs of --compare; add --compare M1,M2")
@@ -146,6 +153,30 @@ class AmpMagics(Magics):
             return None
         display(run)
         return run.value if args.compare is None else None
+
+    def _diagnose(self, args: Any, cell: str) -> Any:
+        """--doctor or --profile: the cell's step in every mode (ampnb.doctor)."""
+        from ampnb.magics.doctor import doctor_cell, profile_cell
+
+        flag = "--doctor" if args.doctor else "--profile"
+        others = [_flag(n) for n in ("compare", "repeat", "trace", "hunt", "memory", "show_code",
+                                     "tf32") if getattr(args, n)]
+        if args.doctor and args.profile:
+            others.insert(0, "--profile")
+        if args.mode is not None or others:
+            what = ", ".join(([f"MODE {args.mode!r}"] if args.mode else []) + others)
+            raise UsageError(f"{what} cannot be combined with {flag}; it runs every mode this "
+                             "machine can run (use --device to pick the device)")
+        device = self._settings(args).device
+        if args.doctor:
+            result = doctor_cell(self.shell, cell, device=device)
+        else:
+            result = profile_cell(self.shell, cell, device=device)
+        if args.output:
+            self.shell.user_ns[args.output] = result
+        if not args.quiet:
+            display(result)
+        return None
 
     def _settings(self, args: Any) -> runs.Settings:
         mode = self.default_mode if args.mode is None else args.mode
