@@ -3,9 +3,9 @@
 Jupyter's "interrupt kernel" sends SIGINT, which Python turns into a KeyboardInterrupt at
 whatever line runs next. While any `Guard` or `deferred()` section is active, ampnb's SIGINT
 handler (`_hold`) decides where the interrupt may land: inside set-up or restore code (a
-Guard's enter/exit and what they call, a `deferred()` block) and on the line that leaves a
-`with` block in ampnb's own code (before its `__exit__` runs) it is held and raised as soon as
-that code is done; anywhere else — the user's own code above all — it is raised at once, as
+Guard's enter/exit and what they call, a `deferred()` block) it is held and raised as soon as
+that code is done (so are the few spots in ampnb's code where a line tracer, but never a real
+signal, can stop outside a block's cleanup: see `_unsafe_offsets`); anywhere else — the user's own code above all — it is raised at once, as
 without ampnb. Only the main thread receives signals; elsewhere the sections are plain.
 """
 
@@ -38,19 +38,26 @@ def critical(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @functools.cache
-def _with_exits(code: CodeType) -> frozenset[int]:
-    """Offsets where a `with` block is left: the three Nones pushed for __exit__(None, None, None)."""
+def _unsafe_offsets(code: CodeType) -> frozenset[int]:
+    """Where a line can start but a real signal never lands, and an exception there skips cleanup.
+
+    The start of leaving a `with` block (three Nones pushed for __exit__, before the call) and a
+    `try:` line's NOP lie outside the exception table: an interrupt raised there would skip the
+    block's exit. CPython only runs signal handlers at calls, function entries and backward
+    jumps, never at these; a line tracer (the interrupt sweep) can stop at them, so they hold.
+    """
     ins = list(dis.get_instructions(code))
-    return frozenset(a.offset for a, b, c in zip(ins, ins[1:], ins[2:])
-                     if a.opname == b.opname == c.opname == "LOAD_CONST"
-                     and a.argval is b.argval is c.argval is None)
+    exits = {a.offset for a, b, c in zip(ins, ins[1:], ins[2:])
+             if a.opname == b.opname == c.opname == "LOAD_CONST"
+             and a.argval is b.argval is c.argval is None}
+    return frozenset(exits | {i.offset for i in ins if i.opname == "NOP"})
 
 
 def _must_hold(frame: FrameType | None) -> bool:
     if _active[1]:
         return True
     if frame is not None and frame.f_code.co_filename.startswith(_PACKAGE) \
-            and frame.f_lasti in _with_exits(frame.f_code):
+            and frame.f_lasti in _unsafe_offsets(frame.f_code):
         return True
     while frame is not None:
         if frame.f_code in _CRITICAL:

@@ -80,7 +80,10 @@ def sweep(setup: Callable[[], Any], run: Callable[[Any], Any],
             counter.run(lambda w=world: run(w))
         except KeyboardInterrupt:
             pass
-        problems = check(world)
+        try:
+            problems = check(world)
+        except KeyboardInterrupt:  # a held interrupt that surfaced only after the run
+            problems = ["an interrupt held during the run was raised only afterwards"]
         if problems:
             leaks.append(f"line {k}/{total} at {counter.fired_at}: {'; '.join(problems)}")
     return len(tried), leaks
