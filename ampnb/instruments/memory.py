@@ -38,7 +38,9 @@ class _Saved:
         self.meter, self.key, self.tensor = meter, key, tensor
 
     def __del__(self) -> None:
-        self.meter._release(self.key)
+        meter = getattr(self, "meter", None)  # None when an interrupt cut __init__ short
+        if meter is not None:
+            meter._release(self.key)
 
 
 class MemoryMeter(TableView):
