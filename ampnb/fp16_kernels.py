@@ -9,13 +9,18 @@ fail). Everything else — autocast's casts, elementwise ops, the GradScaler —
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import statistics
+import time
+from enum import StrEnum
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ampnb._interrupt import Guard
 from ampnb._tree import map_tensors, tensors
+from ampnb.device.cpu import cpu_native
 
 aten = torch.ops.aten
 HALF = torch.float16
@@ -79,11 +84,101 @@ class Fp16KernelEmulation(TorchDispatchMode):
         return map_tensors(narrow, out)
 
 
-@contextlib.contextmanager
-def emulated_fp16_kernels(enabled: bool = True) -> Iterator[Fp16KernelEmulation | None]:
-    """fp16 products as fp32 kernels rounded once, for the body (yields the mode, or None)."""
+def emulated_fp16_kernels(enabled: bool = True) -> contextlib.AbstractContextManager:
+    """fp16 products as fp32 kernels rounded once, for the body (`as` gives the mode, or None).
+
+    A Guard: the dispatch mode is pushed whole and always popped, also on an interrupt.
+    """
     if not enabled:
-        yield None
-        return
-    with Fp16KernelEmulation() as mode:
-        yield mode
+        return contextlib.nullcontext()
+    mode = Fp16KernelEmulation()
+    return Guard(mode.__enter__, lambda _: mode.__exit__(None, None, None))
+
+
+class Fp16Kernels(StrEnum):
+    """How fp16 products run on a CPU: decided by the CPU, torch's own kernels, or emulated."""
+
+    AUTO = "auto"          # emulated where the CPU has no fp16 units, else native
+    NATIVE = "native"      # torch's fp16 CPU kernels (a slow fallback without fp16 units)
+    EMULATED = "emulated"  # fp32 kernels on the fp16 inputs, rounded once (tensor-core numerics)
+
+
+FP16_KERNELS_ALLOWED = tuple(k.value for k in Fp16Kernels)
+_setting = [Fp16Kernels.AUTO]  # the process-wide choice (`set_fp16_kernels`)
+
+
+def fp16_kernels_choice(value: str | Fp16Kernels | None = None) -> Fp16Kernels:
+    """A validated choice; None means the process-wide setting."""
+    if value is None:
+        return _setting[0]
+    try:
+        return Fp16Kernels(value.strip().lower() if isinstance(value, str) else value)
+    except ValueError:
+        raise ValueError(f"fp16_kernels={value!r} is not allowed; allowed: "
+                         f"{', '.join(FP16_KERNELS_ALLOWED)}") from None
+
+
+def set_fp16_kernels(value: str | Fp16Kernels) -> Fp16Kernels:
+    """Set how fp16 products run on CPUs from now on ('auto', 'native', 'emulated'); returns the old."""
+    choice, previous = fp16_kernels_choice(value), _setting[0]
+    _setting[0] = choice
+    return previous
+
+
+def emulates_fp16(device: str | torch.device = "cpu", choice: str | Fp16Kernels | None = None) -> bool:
+    """Whether fp16 products on `device` run emulated under `choice` (CUDA: never, it has the units)."""
+    found = fp16_kernels_choice(choice)
+    if torch.device(device).type != "cpu":
+        return False
+    return found is Fp16Kernels.EMULATED or (found is Fp16Kernels.AUTO and not cpu_native("fp16"))
+
+
+def fp16_kernel_context(device: str | torch.device = "cpu",
+                        choice: str | Fp16Kernels | None = None) -> contextlib.AbstractContextManager:
+    """The context a whole fp16 step (forward, backward, update) runs in on `device` under `choice`."""
+    return emulated_fp16_kernels(emulates_fp16(device, choice))
+
+
+SLOWDOWN_SHAPE = (256, 512, 1024)  # m, k, n: the size of a small transformer's MLP matmul
+
+
+def _best_seconds(run: Any, repeat: int) -> float:
+    """The fastest of `repeat` timed runs: a kernel's speed, least disturbed by a busy machine."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@functools.cache
+def native_slowdown() -> float:
+    """Native fp16 CPU matmul time / emulated time here, on a SLOWDOWN_SHAPE mm (measured once)."""
+    m, k, n = SLOWDOWN_SHAPE
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=g).half(), torch.randn(k, n, generator=g).half()
+    mode = Fp16KernelEmulation()
+
+    def emulated() -> None:
+        with mode:
+            torch.mm(a, b)
+
+    with torch.no_grad():
+        emulated()  # warm-up: the first call sets the dispatch mode's caches up
+        # the native fallback is slow enough (tenths of a second) that two runs time it well
+        return _best_seconds(lambda: torch.mm(a, b), 2) / _best_seconds(emulated, 5)
+
+
+def fp16_kernels_note(device: str | torch.device = "cpu",
+                      choice: str | Fp16Kernels | None = None) -> str:
+    """One line saying how fp16 products run on `device` (with the measured slowdown), '' on CUDA."""
+    if torch.device(device).type != "cpu":
+        return ""
+    if emulates_fp16(device, choice):
+        return (f"fp16 GEMMs emulated in fp32 (as tensor cores accumulate); native fp16 kernels "
+                f"here are {native_slowdown():.0f}× slower")
+    if cpu_native("fp16"):
+        return "fp16 kernels native (this CPU has fp16 units)"
+    return (f"fp16 kernels native (torch's CPU fallback, {native_slowdown():.0f}× slower than "
+            "the emulated ones)")

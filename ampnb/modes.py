@@ -19,6 +19,7 @@ from torch import nn
 from ampnb._interrupt import Guard
 from ampnb._tree import map_tensors
 from ampnb.display import Table, TableView, dtype_name
+from ampnb.fp16_kernels import Fp16Kernels, fp16_kernel_context
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,17 @@ class PrecisionMode(TableView):
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """Context in which new modules get their parameters directly in param_dtype."""
         return contextlib.nullcontext()
+
+    def kernel_context(self, device: str | torch.device = "cpu",
+                       fp16_kernels: str | Fp16Kernels | None = None) -> contextlib.AbstractContextManager:
+        """Context for the whole step (forward, backward, update): how its products run here.
+
+        fp16 products on a CPU without fp16 units run as fp32 kernels rounded once (see
+        `ampnb.fp16_kernels`; `fp16_kernels` None = the process-wide setting); else nothing.
+        """
+        if self.compute_dtype != torch.float16:
+            return contextlib.nullcontext()
+        return fp16_kernel_context(device, fp16_kernels)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Return the module in this mode's parameter dtype (in place, as nn.Module.to)."""

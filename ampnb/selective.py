@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,21 +24,42 @@ def _patterns(patterns: str | Iterable[str]) -> tuple[str, ...]:
     return found
 
 
-def matching_modules(model: nn.Module, patterns: str | Iterable[str]) -> dict[str, nn.Module]:
-    """Modules whose dotted path matches a pattern ('*' wildcards); outermost matches only."""
+def _roots(model: nn.Module | Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    """{name: model}: one model ('' as its name) or several by name (a notebook's models)."""
+    models = {"": model} if isinstance(model, nn.Module) else dict(model) if isinstance(
+        model, Mapping) else None
+    if not models or not all(isinstance(m, nn.Module) for m in models.values()):
+        raise ValueError(f"keep_fp32 needs an nn.Module (or a dict of them by name), got "
+                         f"{type(model).__name__}")
+    return models
+
+
+def matching_modules(model: nn.Module | Mapping[str, nn.Module],
+                     patterns: str | Iterable[str]) -> dict[str, nn.Module]:
+    """Modules whose dotted path matches a pattern ('*' wildcards); outermost matches only.
+
+    With several models by name, paths are matched inside each and returned as 'name.path';
+    every pattern must match in at least one of them.
+    """
     wanted = _patterns(patterns)
-    named = [(n, m) for n, m in model.named_modules() if n]
-    unmatched = [p for p in wanted if not any(fnmatch.fnmatchcase(n, p) for n, _ in named)]
+    roots = _roots(model)
+    named = [(root, n, m) for root, r in roots.items() for n, m in r.named_modules() if n]
+    unmatched = [p for p in wanted if not any(fnmatch.fnmatchcase(n, p) for _, n, _ in named)]
     if unmatched:
-        some = ", ".join(n for n, _ in named[:8])
-        raise ValueError(f"keep_fp32 pattern {unmatched[0]!r} matches no module of "
-                         f"{type(model).__name__}; module paths look like: {some}")
+        some = ", ".join(n for _, n, _ in named[:8])
+        owner = " or ".join(type(r).__name__ for r in roots.values())
+        raise ValueError(f"keep_fp32 pattern {unmatched[0]!r} matches no module of {owner}; "
+                         f"module paths look like: {some}")
     chosen: dict[str, nn.Module] = {}
-    for name, module in named:
+    for root, name, module in named:
+        path = f"{root}.{name}" if root else name
         if any(fnmatch.fnmatchcase(name, p) for p in wanted) and not any(
-                name.startswith(f"{outer}.") for outer in chosen):
-            chosen[name] = module
+                path.startswith(f"{outer}.") for outer in chosen):
+            chosen[path] = module
     return chosen
+
+
+_NARROW_DEFAULT = {torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
 
 
 def _to_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -46,13 +67,18 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fp32_forward(forward: Any, back_to: torch.dtype | None) -> Any:
-    """forward with autocast off and floating inputs in fp32; outputs cast to back_to if given."""
+    """forward with autocast off and floating inputs in fp32; outputs cast to back_to if given.
+
+    Without back_to, outputs go back to the default dtype where a true mode made it narrow
+    (a module kept in fp32 for good, e.g. by the Workbench, inside a bf16-true model).
+    """
     def run(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
             out = forward(*map_tensors(_to_fp32, args), **map_tensors(_to_fp32, kwargs))
-        if back_to is None:
+        back = back_to if back_to is not None else _NARROW_DEFAULT.get(torch.get_default_dtype())
+        if back is None:
             return out
-        return map_tensors(lambda t: t.to(back_to) if t.dtype == torch.float32 else t, out)
+        return map_tensors(lambda t: t.to(back) if t.dtype == torch.float32 else t, out)
 
     run.ampnb_keep_fp32 = True
     return run
@@ -66,15 +92,14 @@ def _low_precision(module: nn.Module) -> torch.dtype | None:
 
 
 @contextmanager
-def keep_fp32(model: nn.Module, patterns: str | Iterable[str]) -> Iterator[dict[str, nn.Module]]:
+def keep_fp32(model: nn.Module | Mapping[str, nn.Module],
+              patterns: str | Iterable[str]) -> Iterator[dict[str, nn.Module]]:
     """Matched modules run with autocast off and fp32 inputs; in true modes with fp32 weights too.
 
     In a true mode (bf16/fp16 weights) the matched modules' weights are widened to fp32 for the
     body and their outputs cast back to the mode's dtype at their boundary; on exit the weights
     go back to the mode's dtype (rounded once if they were trained in fp32 meanwhile).
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"keep_fp32 needs an nn.Module, got {type(model).__name__}")
     chosen = matching_modules(model, patterns)
 
     def enter() -> list[tuple[nn.Module, Any, torch.dtype | None]]:

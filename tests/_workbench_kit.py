@@ -95,14 +95,27 @@ HAND = {
 }
 
 
-def hand_loop(mode: str, steps: int, huge=()):
-    """The training loop written out with plain torch: losses, skips and final weights."""
+def hand_loop(mode: str, steps: int, huge=(), kernels: str | None = None):
+    """The training loop written out with plain torch: losses, skips and final weights.
+
+    fp16 modes run their products as ampnb.fp16_kernels decides for `kernels` on this CPU
+    (the Workbench's default), the whole step inside the emulation where it applies.
+    """
+    from ampnb.fp16_kernels import emulated_fp16_kernels, emulates_fp16
+
     model, _, loss_fn, batches = make(huge=huge)
     p_dtype, x_dtype, ctx = HAND[mode]
     model.to(p_dtype)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu") if mode == "16-mixed" else None
     losses, skipped, out_dtypes = [], [], []
+    emulate = mode in ("16-mixed", "16-true") and emulates_fp16("cpu", kernels)
+    with emulated_fp16_kernels(emulate):
+        _steps(model, opt, scaler, loss_fn, batches, ctx, x_dtype, steps, losses, skipped, out_dtypes)
+    return losses, skipped, out_dtypes, weights(model)
+
+
+def _steps(model, opt, scaler, loss_fn, batches, ctx, x_dtype, steps, losses, skipped, out_dtypes):
     for i in range(steps):
         x, y = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
@@ -121,7 +134,6 @@ def hand_loop(mode: str, steps: int, huge=()):
             opt.step()
             skipped.append(False)
         losses.append(loss.item())
-    return losses, skipped, out_dtypes, weights(model)
 
 
 class InterruptAt:

@@ -38,6 +38,29 @@ def test_losses_dtypes_and_weights_match_a_hand_written_loop(mode):
     assert same(weights(wb.model), final)
 
 
+@pytest.mark.parametrize("mode", ["16-mixed", "16-true"])
+@pytest.mark.parametrize("kernels", ["native", "emulated"])
+def test_fp16_kernels_switch_matches_a_hand_written_loop_with_the_same_kernels(mode, kernels):
+    losses, skipped, _, final = hand_loop(mode, steps=3, kernels=kernels)
+    wb = Workbench(*make(), mode=mode)
+    wb.set(fp16_kernels=kernels)
+    records = wb.run(3)
+    assert wb.fp16_kernels == kernels
+    assert same_floats([r.loss for r in records], losses)
+    assert [r.skipped for r in records] == skipped
+    assert same(weights(wb.model), final)
+    assert ("emulated in fp32" in records[0].kernels) == (kernels == "emulated")
+    assert ("emulated in fp32" in wb.table().notes[-1]) == (kernels == "emulated")
+
+
+def test_fp16_kernels_bad_value_is_refused_and_nothing_changes():
+    wb = Workbench(*make(), mode="16-mixed")
+    before = wb.fp16_kernels
+    with pytest.raises(ValueError, match="allowed: auto, native, emulated"):
+        wb.set(mode="bf16-mixed", fp16_kernels="fast")
+    assert wb.fp16_kernels == before and wb.mode.name == "16-mixed"
+
+
 def test_16_mixed_skips_overflow_like_torch_and_keeps_the_scale_across_switches():
     losses, skipped, _, final = hand_loop("16-mixed", steps=3, huge=(1,))
     wb = Workbench(*make(huge=(1,)), mode="16-mixed")
@@ -278,3 +301,60 @@ def test_step_probe_memory_report_and_memory_meter_report_the_same_saved_bytes()
     record = wb.step()
     assert hand.peak_bytes > 0
     assert record.memory == probed.peak_bytes == report.stats[0].saved_bytes == hand.peak_bytes
+
+
+def _hand_keep_last_in_fp32(mode: str, steps: int):
+    """The hand loop with the last Linear in a hand-written autocast(enabled=False) region
+    (bf16-mixed), or with fp32 weights and casts at its boundary (bf16-true)."""
+    model, _, loss_fn, batches = make()
+    head = model[2]
+    body = torch.nn.Sequential(model[0], model[1])
+    true = mode == "bf16-true"
+    if true:
+        body.to(torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        if true:
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                out = head(body(x.bfloat16()).float()).bfloat16()
+            finally:
+                torch.set_default_dtype(old)
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = body(x.bfloat16())
+                with torch.autocast("cpu", enabled=False):
+                    out = head(h.float())
+        loss = loss_fn(out.float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, weights(model)
+
+
+@pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-true"])
+def test_keep_fp32_matches_a_hand_written_fp32_region(mode):
+    losses, final = _hand_keep_last_in_fp32(mode, steps=3)
+    wb = Workbench(*make(), mode=mode)
+    wb.set(keep_fp32="2")
+    records = wb.run(3)
+    assert wb.keep_fp32 == ("2",) and records[-1].keep_fp32 == ("2",)
+    assert same_floats([r.loss for r in records], losses)
+    assert same(weights(wb.model), final)
+    assert wb.model[2].weight.dtype == torch.float32
+    assert wb.model[0].weight.dtype == (torch.bfloat16 if mode == "bf16-true" else torch.float32)
+
+
+def test_keep_fp32_cleared_and_bad_patterns_refused_without_change():
+    wb = Workbench(*make(), mode="bf16-true")
+    wb.set(keep_fp32="2")
+    with pytest.raises(ValueError, match="matches no module"):
+        wb.set(mode="16-true", keep_fp32="lm_head")
+    assert wb.keep_fp32 == ("2",) and wb.mode.name == "bf16-true"
+    assert wb.model[2].weight.dtype == torch.float32
+    wb.set(keep_fp32="")
+    assert wb.keep_fp32 == () and wb.model[2].weight.dtype == torch.bfloat16

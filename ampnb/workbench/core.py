@@ -16,8 +16,10 @@ from ampnb.batch import step_loss
 from ampnb.device import TF32Setting, get_device, sync, tf32_setting
 from ampnb.device import tf32 as tf32_switch  # `tf32` is also a parameter and property here
 from ampnb.display import Table, TableView, dtype_name
+from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.selective import keep_fp32, matching_modules
 from ampnb.workbench.inputs import check_inputs, output_dtype
 from ampnb.workbench.records import StepRecord, history_table, nonfinite_note, speedup
 from ampnb.workbench.state import (
@@ -35,6 +37,13 @@ from ampnb.workbench.state import (
 _MODE_OF_DTYPE = {torch.float32: "32-true", torch.float16: "16-true",
                   torch.bfloat16: "bf16-true", torch.float64: "64-true"}
 _NARROW = (torch.float16, torch.bfloat16)
+
+
+def _kept_paths(model: nn.Module, patterns: str | Iterable[str]) -> tuple[str, ...]:
+    """The module paths patterns name in model ('' or () for none); ValueError if one matches none."""
+    if patterns in ("", ()) or (isinstance(patterns, list) and not patterns):
+        return ()
+    return tuple(matching_modules(model, patterns))
 
 
 class PrecisionLossWarning(UserWarning):
@@ -75,6 +84,8 @@ class _Checkpoint:
     history: tuple[StepRecord, ...]
     notes: tuple[str, ...]
     pending: tuple[str, ...]
+    keep: tuple[str, ...]
+    fp16_kernels: Fp16Kernels | None
 
 
 class Workbench(TableView):
@@ -104,6 +115,8 @@ class Workbench(TableView):
         self._master, self._steps_here, self._cursor = self._initial[0], 0, 0
         self.scaler: torch.amp.GradScaler | None = None
         self._scaler_state: dict[str, Any] | None = None
+        self._keep: tuple[str, ...] = ()  # module paths kept in fp32 (Workbench.set(keep_fp32=))
+        self._fp16_kernels: Fp16Kernels | None = None  # None: the process-wide setting
         all_or_nothing(self._change(lambda _cp: self._start()), self._rollback)
 
     # ----- settings -----------------------------------------------------------------------
@@ -122,17 +135,44 @@ class Workbench(TableView):
 
     @property
     def param_dtype(self) -> torch.dtype:
-        return param_dtype(self.model)
+        """The dtype of the parameters (of most of them, when some are kept in fp32)."""
+        return param_dtype(self.model, mostly=True)
+
+    @property
+    def keep_fp32(self) -> tuple[str, ...]:
+        """Module paths that run in fp32 whatever the mode (set with `set(keep_fp32=...)`)."""
+        return self._keep
+
+    @property
+    def fp16_kernels(self) -> Fp16Kernels:
+        """How fp16 products run on a CPU: 'auto', 'native' or 'emulated'."""
+        return fp16_kernels_choice(self._fp16_kernels)
+
+    @property
+    def kernels_note(self) -> str:
+        """How the current mode's products run here ('' when nothing is emulated or slow)."""
+        if self._mode.compute_dtype != torch.float16:
+            return ""
+        return fp16_kernels_note(self._device, self._fp16_kernels)
 
     def set(self, mode: str | int | PrecisionMode | None = None,
-            device: str | torch.device | None = None, tf32: bool | None = None) -> tuple[str, ...]:
-        """Switch mode, device and/or TF32 (None keeps each); returns what could not be kept."""
+            device: str | torch.device | None = None, tf32: bool | None = None,
+            keep_fp32: str | Iterable[str] | None = None,
+            fp16_kernels: str | None = None) -> tuple[str, ...]:
+        """Switch mode, device, TF32, modules kept in fp32 and/or fp16 kernels (None keeps each).
+
+        `keep_fp32`: module paths or globs ('lm_head,*.norm'); '' or () keeps none.
+        Returns what could not be kept.
+        """
         new_mode = self._mode if mode is None else get_mode(mode)
         new_device = self._device if device is None else resolve_device(device)
         tf32 = _check_tf32(tf32)
+        keep = self._keep if keep_fp32 is None else _kept_paths(self.model, keep_fp32)
+        kernels = self._fp16_kernels if fp16_kernels is None else fp16_kernels_choice(fp16_kernels)
         new_mode.check(new_device)  # everything is validated before anything changes
         # The last line: past this call the switch is done or undone, never half of it.
-        return all_or_nothing(self._change(lambda cp: self._switch(new_mode, new_device, tf32, cp)),
+        return all_or_nothing(self._change(lambda cp: self._switch(new_mode, new_device, tf32, cp,
+                                                                   keep, kernels)),
                               self._rollback)
 
     def restore(self) -> None:
@@ -147,12 +187,12 @@ class Workbench(TableView):
         batch = self._batches[self._cursor % len(self._batches)]
         opt.zero_grad(set_to_none=True)
         scale = None if scaler is None else float(scaler.get_scale())
-        with tf32_switch(self._tf32):
+        with tf32_switch(self._tf32), mode.kernel_context(device, self._fp16_kernels):
             sync(device)
             start = time.perf_counter()
             run = batch.to(device).convert(mode.convert_input)
             with MemoryMeter(device) as meter:
-                with mode.forward_context(device):
+                with mode.forward_context(device), self._kept():
                     raw = run.call(model)
                 out_dtype = output_dtype(raw)
                 loss = step_loss(mode.convert_output(raw), run, self.loss_fn)
@@ -180,7 +220,7 @@ class Workbench(TableView):
             tf32=self._tf32, param_dtype=self.param_dtype, output_dtype=out_dtype,
             memory=meter.peak_bytes, cuda_peak=meter.cuda_peak_bytes, skipped=skipped,
             scale=scale, first_after_switch=self._steps_here == 1, notes=tuple(self._pending),
-            nonfinite=bad)
+            nonfinite=bad, kernels=self.kernels_note, keep_fp32=self._keep)
         self._pending.clear()
         self.history.append(record)
         return record
@@ -195,14 +235,19 @@ class Workbench(TableView):
         """Forward + backward of the next batch inside context(); no update, RNG and buffers kept."""
         batch = self._batches[self._cursor % len(self._batches)]
         mode, device = self._mode, self._device
-        with untouched(self.model), tf32_switch(self._tf32), context() as seen:
+        with (untouched(self.model), tf32_switch(self._tf32),
+              mode.kernel_context(device, self._fp16_kernels), context() as seen):
             run = batch.to(device).convert(mode.convert_input)
-            with mode.forward_context(device):
+            with mode.forward_context(device), self._kept():
                 raw = run.call(self.model)
             step_loss(mode.convert_output(raw), run, self.loss_fn).backward()
         return seen
 
     # ----- what a learner reads -----------------------------------------------------------
+
+    def _kept(self) -> contextlib.AbstractContextManager:
+        """The forward's keep_fp32 context (autocast off, fp32 inputs in the kept modules)."""
+        return keep_fp32(self.model, self._keep) if self._keep else contextlib.nullcontext()
 
     def speedup(self, window: int = 10) -> float | None:
         """Measured 32-true time / current mode's time on this device (recent medians)."""
@@ -239,11 +284,13 @@ class Workbench(TableView):
         return _Checkpoint(self._mode, self._device, exact, self._master, self._steps_here,
                            self._tf32, self.scaler, self._scaler_state, self._cursor,
                            tuple((p, p.grad) for p in self.model.parameters()),
-                           tuple(self.history), tuple(self.notes), tuple(self._pending))
+                           tuple(self.history), tuple(self.notes), tuple(self._pending),
+                           self._keep, self._fp16_kernels)
 
     def _rollback(self, done: tuple[_Checkpoint, Any]) -> None:
         """Put back what _checkpoint saw: the same values in the same mode, the same objects."""
         cp = done[0]
+        self._keep, self._fp16_kernels = cp.keep, cp.fp16_kernels  # _apply reads _keep
         self._apply(cp.mode, cp.device, cp.exact)
         for p, g in cp.grads:
             p.grad = g
@@ -255,7 +302,7 @@ class Workbench(TableView):
     def _start(self) -> tuple[str, ...]:
         master, mode, device, tf32 = self._initial
         self.scaler, self._scaler_state = None, None
-        self._cursor, self._tf32 = 0, tf32
+        self._cursor, self._tf32, self._keep, self._fp16_kernels = 0, tf32, (), None
         self._pending.clear()
         self.history.clear()
         self.notes.clear()
@@ -263,10 +310,15 @@ class Workbench(TableView):
         return ()
 
     def _switch(self, mode: PrecisionMode, device: torch.device, tf32: bool | None,
-                saved: _Checkpoint) -> tuple[str, ...]:
+                saved: _Checkpoint, keep: tuple[str, ...] = (),
+                kernels: Fp16Kernels | None = None) -> tuple[str, ...]:
         if tf32 is not None:
             self._tf32 = bool(tf32)
-        if mode is self._mode and device == self._device:
+        self._fp16_kernels = kernels
+        # A true mode gives kept modules fp32 weights for good: a new keep list converts anew.
+        rekeep = keep != self._keep and mode.param_dtype in _NARROW
+        self._keep = keep
+        if mode is self._mode and device == self._device and not rekeep:
             return ()
         master, notes = self._current_master(mode, saved.exact)
         self._apply(mode, device, master)
@@ -302,6 +354,9 @@ class Workbench(TableView):
         model.to(device=device, dtype=carrier)
         converted = mode.convert_module(model)
         self.model = model if converted is None else converted
+        if self._keep and mode.param_dtype in _NARROW:  # kept modules keep fp32 weights
+            for kept in matching_modules(self.model, self._keep).values():
+                kept.float()
         # Loaded after the conversion, so each value is rounded once, from the master itself.
         master.load_into(self.model)
         repoint_optimizer(self.optimizer, before, list(self.model.parameters()),

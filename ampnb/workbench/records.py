@@ -32,6 +32,8 @@ class StepRecord:
     first_after_switch: bool   # first step after construction/set()/restore(): one-time costs
     notes: tuple[str, ...] = ()  # what the switches before this step changed irreversibly
     nonfinite: tuple[str, ...] = ()  # parameters this step's update left holding inf/NaN
+    kernels: str = ""          # how fp16 products ran ('' when natively; see ampnb.fp16_kernels)
+    keep_fp32: tuple[str, ...] = ()  # module paths that ran in fp32
 
 
 def nonfinite_note(step: int, mode: str, names: tuple[str, ...]) -> str:
@@ -69,5 +71,8 @@ def history_table(history: Sequence[StepRecord], last: int | None = None) -> Tab
              f"inf/NaN ({len(r.nonfinite)})" if r.nonfinite else "")
             for r in (history[-last:] if last else history)]
     notes = tuple(n for r in history for n in r.notes)
+    notes += tuple(dict.fromkeys(f"{r.mode}: {r.kernels}" for r in history if r.kernels))
+    notes += tuple(dict.fromkeys(f"{r.mode}: kept in fp32: {', '.join(r.keep_fp32)}"
+                                 for r in history if r.keep_fp32))
     return Table(("step", "mode", "device", "tf32", "params", "loss", "time", "saved for backward",
                   "CUDA peak", "skipped", "scale", "weights after"), rows, caption="Workbench steps", notes=notes)

@@ -51,7 +51,7 @@ class Master:
         opt = {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
         wide = any(t.dtype == torch.float64 for t in tensors.values())
         params = frozenset(n for n, _ in model.named_parameters())
-        return cls(tensors, opt, param_dtype(model), wide, params)
+        return cls(tensors, opt, param_dtype(model, mostly=True), wide, params)
 
     def load_into(self, model: nn.Module) -> None:
         """Copy the master values into the model's tensors (casting to their dtype).
@@ -73,9 +73,16 @@ class Master:
         return copy.deepcopy(self.optimizer)
 
 
-def param_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the model's floating parameters (ValueError when they differ)."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+def param_dtype(model: nn.Module, mostly: bool = False) -> torch.dtype:
+    """The dtype of the model's floating parameters (ValueError when they differ).
+
+    `mostly`: the dtype most parameter elements have (modules kept in fp32 inside a true mode).
+    """
+    found = [p for p in model.parameters() if p.is_floating_point()]
+    dtypes = {p.dtype for p in found}
+    if mostly and len(dtypes) > 1:
+        count = {d: sum(p.numel() for p in found if p.dtype == d) for d in dtypes}
+        return max(count, key=count.get)
     if len(dtypes) != 1:
         names = sorted(dtype_name(d) for d in dtypes) or ["none"]
         raise ValueError(f"model has floating parameters in {', '.join(names)}; allowed: "
