@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import statistics
 import time
 from enum import StrEnum
 from typing import Any
