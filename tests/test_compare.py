@@ -244,3 +244,68 @@ def test_table_renders_every_row():
     for label in c.labels:
         assert label in text and label in html
     assert "max abs err" in text and "<table" in html
+
+
+def _mlp_work():
+    """A training-step-like work on a small MLP: the outputs and the weight gradients."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+    def run():
+        net.zero_grad(set_to_none=True)
+        out = net(x)
+        out.float().square().mean().backward()
+        return {"out": out.detach().float(), "grad": net[0].weight.grad.clone()}
+
+    return net, x, run
+
+
+def test_compare_keep_fp32_equals_a_hand_written_fp32_region():
+    net, x, run = _mlp_work()
+    result = compare(run, ["bf16-mixed"], repeat=1, keep_fp32="2", model=net)
+    net.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # compare runs the whole work under it
+        h = net[1](net[0](x))
+        with torch.autocast("cpu", enabled=False):
+            out = net[2](h.float())
+        out.float().square().mean().backward()
+    expected = {"out": out.detach(), "grad": net[0].weight.grad}
+    plain = compare(run, ["bf16-mixed"], repeat=1)
+    row, ref = result.row("bf16-mixed"), result.reference
+    assert "kept in fp32: 2" in row.note and "kept" not in ref.note
+    assert (row.max_abs_error, row.rel_error) == errors(expected, {"out": _fp32(run)["out"],
+                                                                   "grad": _fp32(run)["grad"]})
+    assert row.rel_error != plain.row("bf16-mixed").rel_error
+
+
+def _fp32(run):
+    return run()
+
+
+def test_compare_keep_fp32_needs_a_model_and_patterns_that_match():
+    net, _, run = _mlp_work()
+    with pytest.raises(ValueError, match="needs model="):
+        compare(run, ["bf16-mixed"], repeat=1, keep_fp32="2")
+    with pytest.raises(ValueError, match="matches no module"):
+        compare(run, ["bf16-mixed"], repeat=1, keep_fp32="lm_head", model=net)
+    with pytest.raises(ValueError, match="allowed: auto, native, emulated"):
+        compare(run, ["16-mixed"], repeat=1, fp16_kernels="gpu")
+
+
+@pytest.mark.parametrize("kernels", ["native", "emulated"])
+def test_compare_16_mixed_runs_the_chosen_fp16_kernels_and_says_so(kernels):
+    from ampnb.fp16_kernels import emulated_fp16_kernels
+
+    net, x, run = _mlp_work()
+    result = compare(run, ["16-mixed"], repeat=1, fp16_kernels=kernels)
+    net.zero_grad(set_to_none=True)
+    with emulated_fp16_kernels(kernels == "emulated"):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = net(x)
+            out.float().square().mean().backward()
+    expected = {"out": out.detach().float(), "grad": net[0].weight.grad.clone()}
+    row = result.row("16-mixed")
+    assert (row.max_abs_error, row.rel_error) == errors(expected, _fp32(run))
+    assert ("emulated in fp32" in row.note) == (kernels == "emulated")
+    assert "slower" in row.note

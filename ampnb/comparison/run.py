@@ -6,17 +6,21 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from ampnb._interrupt import Guard
 from ampnb.comparison.result import REFERENCE, Comparison, Row, dtypes, errors, kept
 from ampnb.device import TF32_ALLOWED, sync, tf32_context, tf32_setting, tf32_state
+from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.selective import keep_fp32 as keep_fp32_context
+from ampnb.selective import matching_modules
 
 
 def _no_note(mode: PrecisionMode) -> str:
@@ -111,7 +115,10 @@ def _one_line(e: BaseException) -> str:
 def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-mixed",),
             device: str | torch.device = "cpu", repeat: int = 5, warmup: int = 1, seed: int = 0,
             tf32: str | bool | None = None,
-            progress: Callable[[int, int, str], None] | None = None) -> Comparison:
+            progress: Callable[[int, int, str], None] | None = None, *,
+            fp16_kernels: str | None = None,
+            keep_fp32: str | Iterable[str] | None = None,
+            model: nn.Module | Mapping[str, nn.Module] | None = None) -> Comparison:
     """Run `work` under 32-true and each mode; median time, memory and error against 32-true.
 
     The reference is 32-true with TF32 off (IEEE fp32); the modes run under `tf32` ('on',
@@ -119,6 +126,9 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     `torch.manual_seed(seed)` and ends with `work.restore()`; the RNG state is restored
     afterwards. Runs go round-robin over the modes so that drift hits all alike. A mode whose
     run raises gets a failed row with the error; only a failing 32-true run raises.
+    `fp16_kernels` ('auto', 'native', 'emulated'; None = the process-wide setting) says how
+    fp16 products run on a CPU; `keep_fp32` (module paths or globs in `model`, a module or a
+    dict of them) runs those modules in fp32 in every mode but the reference.
     """
     work = work if isinstance(work, Work) else Work(run=work)
     if not callable(work.run):
@@ -131,6 +141,11 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     except ValueError:
         raise ValueError(f"tf32 must be one of {TF32_ALLOWED}, got {tf32!r}") from None
     dev = _device(device)
+    kernels = fp16_kernels_choice(fp16_kernels)
+    if keep_fp32 is not None and model is None:
+        raise ValueError("compare(keep_fp32=...) needs model=, the nn.Module (or a dict of them) "
+                         "whose submodules the patterns name")
+    islands = matching_modules(model, keep_fp32) if keep_fp32 is not None else {}
     entries = _entries(modes, setting)
     for e in entries:
         get_mode(e.mode).check(dev)
@@ -145,7 +160,10 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     def once(e: _Entry, meter: MemoryMeter | None = None) -> float:
         nonlocal done
         mode = get_mode(e.mode)
-        contexts = [tf32_context(e.tf32, dev), mode.module_init_context(), mode.forward_context(dev)]
+        contexts = [tf32_context(e.tf32, dev), mode.kernel_context(dev, kernels),
+                    mode.module_init_context(), mode.forward_context(dev)]
+        if islands and e != entries[0]:  # the reference stays IEEE fp32 throughout
+            contexts.append(keep_fp32_context(model, keep_fp32))
         with Guard(lambda: work.prepare(mode), lambda _: work.restore()) as note:
             notes[e] = note
             torch.manual_seed(seed)
@@ -188,6 +206,13 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
                 seconds = attempt(e)
                 if seconds is not None:
                     times[e].append(seconds)
+    for e in entries:
+        said = [notes.get(e, "")]
+        if get_mode(e.mode).compute_dtype == torch.float16:
+            said.append(fp16_kernels_note(dev, kernels))
+        if islands and e != entries[0]:
+            said.append(f"kept in fp32: {', '.join(islands)}")
+        notes[e] = "; ".join(n for n in said if n)
     return Comparison(str(dev), repeat, warmup, tuple(_row(e, entries[0], times, results, memory,
                                                            notes, failed) for e in entries))
 

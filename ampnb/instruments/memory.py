@@ -208,7 +208,7 @@ def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None
         net.to(dev)
         opt = _copy_optimizer(optimizer, model, params)
         run = run.to(dev).convert(m.convert_input)
-        with MemoryMeter(dev) as meter:
+        with MemoryMeter(dev) as meter, m.kernel_context(dev):
             with m.forward_context(dev):
                 out = run.call(net)
             _loss(m.convert_output(out), run, loss_fn).float().backward()

@@ -77,7 +77,9 @@ def prepare_forward(s: ScalerStepper) -> tuple[torch.Tensor, Any]:
         outputs = batch.call(s.model)
         return step_loss(outputs, batch, s.loss_fn), outputs
 
-    return _within(s.mode.forward_context(s.device), compute)
+    # fp16 products of the forward run as the mode's kernels do here (emulated on most CPUs)
+    return _within(s.mode.kernel_context(s.device),
+                   lambda: _within(s.mode.forward_context(s.device), compute))
 
 
 def forward(s: ScalerStepper, prepared: tuple[torch.Tensor, Any]) -> StageRecord:
@@ -101,7 +103,8 @@ def divide(s: ScalerStepper, _: Any = None) -> StageRecord:
 
 def backward(s: ScalerStepper, _: Any = None) -> StageRecord:
     scaled = s.scaler.scale(s._loss)
-    scaled.backward()
+    with s.mode.kernel_context(s.device):  # backward's products as the forward's
+        scaled.backward()
     s._loss = None
     note = ("gradients are scaled (x scale) and summed over micro-steps" if s.enabled
             else NO_SCALER_BACKWARD)
