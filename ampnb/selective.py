@@ -16,7 +16,8 @@ from ampnb._tree import map_tensors
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-def _patterns(patterns: str | Iterable[str]) -> tuple[str, ...]:
+def keep_patterns(patterns: str | Iterable[str]) -> tuple[str, ...]:
+    """Module paths or globs from 'a,b' or an iterable (ValueError when there are none)."""
     found = tuple(p.strip() for p in (patterns.split(",") if isinstance(patterns, str) else patterns))
     if not found or not all(isinstance(p, str) and p for p in found):
         raise ValueError(f"keep_fp32 needs module paths or globs (e.g. 'lm_head,*.norm'), got "
@@ -41,7 +42,7 @@ def matching_modules(model: nn.Module | Mapping[str, nn.Module],
     With several models by name, paths are matched inside each and returned as 'name.path';
     every pattern must match in at least one of them.
     """
-    wanted = _patterns(patterns)
+    wanted = keep_patterns(patterns)
     roots = _roots(model)
     named = [(root, n, m) for root, r in roots.items() for n, m in r.named_modules() if n]
     unmatched = [p for p in wanted if not any(fnmatch.fnmatchcase(n, p) for _, n, _ in named)]

@@ -183,6 +183,20 @@ def used_names(names: Iterable[str], ns: MutableMapping[str, Any]) -> set[str]:
     return found
 
 
+def module_roots(ns: MutableMapping[str, Any], used: Iterable[str]) -> dict[str, nn.Module]:
+    """The outermost modules under the names `used`, by path (in containers and closures too)."""
+    seen: dict[int, tuple[str, nn.Module]] = {}
+    for name in sorted(used):
+        value = ns.get(name)
+        if name.startswith("_") or name in _SKIP or isinstance(value, (types.ModuleType, type)):
+            continue
+        for path, leaf in _walk(value, name):
+            if isinstance(leaf, nn.Module):
+                seen.setdefault(id(leaf), (path, leaf))
+    inner = {id(c) for _, m in seen.values() for c in m.modules() if c is not m}
+    return {p: m for i, (p, m) in seen.items() if i not in inner}
+
+
 def _top(path: str) -> str:
     """'data[0].model' -> 'data'."""
     return path.split("[", 1)[0].split(".", 1)[0]

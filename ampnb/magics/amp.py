@@ -14,7 +14,7 @@ from traitlets import Integer, TraitError, Unicode, validate
 from ampnb.magics import compare_cell, runs
 
 _CELL_ONLY = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "output", "doctor",
-              "profile")
+              "profile", "fp16_kernels", "keep_fp32")
 _ONE_RUN_ONLY = ("trace", "hunt", "memory", "show_code")
 
 
@@ -64,6 +64,11 @@ class AmpMagics(Magics):
     @argument("--compare", metavar="M1,M2", help="run the cell under 32-true and these modes "
               "from the same start; table of median time, speedup, memory and error")
     @argument("--repeat", "-r", type=int, help="timed runs per mode for --compare (default 5)")
+    @argument("--fp16-kernels", choices=("auto", "native", "emulated"),
+              help="how fp16 products run on a CPU: emulated in fp32 as tensor cores do (auto's "
+                   "choice where the CPU has no fp16 units) or torch's native kernels")
+    @argument("--keep-fp32", metavar="PATHS", help="module paths or globs run in fp32 in any "
+              "mode, e.g. \"lm_head,*.norm\" (in the models the cell uses)")
     @argument("--trace", action="store_true", help="table of which op ran in which dtype")
     @argument("--hunt", action="store_true", help="report the first op that made inf/NaN")
     @argument("--memory", action="store_true", help="activation memory saved for backward")
@@ -160,7 +165,7 @@ class AmpMagics(Magics):
 
         flag = "--doctor" if args.doctor else "--profile"
         others = [_flag(n) for n in ("compare", "repeat", "trace", "hunt", "memory", "show_code",
-                                     "tf32") if getattr(args, n)]
+                                     "tf32", "fp16_kernels", "keep_fp32") if getattr(args, n)]
         if args.doctor and args.profile:
             others.insert(0, "--profile")
         if args.mode is not None or others:
@@ -183,7 +188,7 @@ class AmpMagics(Magics):
         device = self.default_device if args.device is None else args.device
         tf32 = (self.default_tf32 or None) if args.tf32 is None else args.tf32
         try:
-            return runs.settings(mode, device, tf32)
+            return runs.settings(mode, device, tf32, args.fp16_kernels, args.keep_fp32)
         except ValueError as e:
             raise UsageError(str(e)) from None
 

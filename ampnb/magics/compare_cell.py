@@ -96,9 +96,18 @@ def run_compare(shell: Any, cell: str, s: Settings, modes_text: str, repeat: int
         work = Work(lambda: run_cell(compiled, ns), prepare=runs.prepare, restore=start.restore,
                     keep=runs.keep)
         progress = _Progress(quiet)
+        models = start.used_modules() if s.keep_fp32 else None
+        if s.keep_fp32 and not models:
+            raise UsageError("--keep-fp32 needs a model made before the cell (an nn.Module the "
+                             "cell or the functions it calls use); none found")
         try:
             result = compare(work, [m.name for m in modes], s.device, repeat=repeat, tf32=s.tf32,
-                             progress=progress)
+                             progress=progress, fp16_kernels=s.fp16_kernels,
+                             keep_fp32=s.keep_fp32 or None, model=models)
+        except ValueError as e:
+            if s.keep_fp32 and "keep_fp32" in str(e):
+                raise UsageError(str(e)) from None
+            raise
         finally:
             progress.close()
     notes = [n for m in modes for n in _notes(s, m)]

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from IPython.core.error import UsageError
+from torch import nn
 
 from ampnb import _state
 from ampnb.comparison.run import guarded
@@ -23,17 +25,25 @@ from ampnb.device import tf32_setting as _core_tf32_setting
 from ampnb.magics import instruments
 from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
+from ampnb.comparison.snapshot import module_roots, used_names
+from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.magics.show_code import show_code
 from ampnb.modes import MODES, PrecisionMode, get_mode
+from ampnb.selective import keep_fp32, keep_patterns, matching_modules
 
 
 @dataclass(frozen=True)
 class Settings:
-    """A checked mode, a present device and a TF32 setting (None: leave the flags as they are)."""
+    """A checked mode, a present device and a TF32 setting (None: leave the flags as they are).
+
+    `fp16_kernels` None follows the process-wide setting; `keep_fp32` holds module patterns.
+    """
 
     mode: PrecisionMode
     device: str
     tf32: TF32Setting | None
+    fp16_kernels: Fp16Kernels | None = None
+    keep_fp32: tuple[str, ...] = ()
 
 
 def mode_name(value: Any) -> str:
@@ -67,10 +77,36 @@ def _available(mode: PrecisionMode, device: str) -> PrecisionMode:
     return mode
 
 
-def settings(mode: Any, device: Any, tf32: Any) -> Settings:
+def settings(mode: Any, device: Any, tf32: Any, fp16_kernels: Any = None,
+             keep_fp32: str | None = None) -> Settings:
     """Check a mode, device and TF32 setting together (ValueError with the allowed values)."""
     dev = device_name(device)
-    return Settings(_available(get_mode(mode), dev), dev, tf32_setting(tf32))
+    kernels = None if fp16_kernels is None else fp16_kernels_choice(fp16_kernels)
+    # IPython's argument parser keeps the quotes of --keep-fp32 "lm_head,*.norm"
+    keep = () if keep_fp32 is None else keep_patterns(keep_fp32.strip().strip("'\""))
+    return Settings(_available(get_mode(mode), dev), dev, tf32_setting(tf32), kernels, keep)
+
+
+def kept_modules(s: Settings, ns: dict[str, Any], names: Any) -> dict[str, nn.Module]:
+    """The models the cell uses (by name) when --keep-fp32 is given, else {}; ValueError if none."""
+    if not s.keep_fp32:
+        return {}
+    models = module_roots(ns, used_names(names, ns))
+    if not models:
+        raise ValueError("--keep-fp32 needs a model made before the cell (an nn.Module the cell "
+                         "or the functions it calls use); none found")
+    matching_modules(models, s.keep_fp32)  # every pattern must name a module
+    return models
+
+
+def mode_notes(s: Settings, mode: PrecisionMode, models: dict[str, nn.Module]) -> list[str]:
+    """How the mode's products ran here, and which modules ran in fp32."""
+    notes = []
+    if mode.compute_dtype == torch.float16 and (said := fp16_kernels_note(s.device, s.fp16_kernels)):
+        notes.append(f"{mode.name}: {said}")
+    if models and mode.name != "32-true":
+        notes.append(f"kept in fp32: {', '.join(matching_modules(models, s.keep_fp32))}")
+    return notes
 
 
 def _tf32_text(s: Settings) -> str:
@@ -123,8 +159,14 @@ def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
     tf32 = tf32_context(s.tf32, s.device)
     probes = instruments.probes(args, s)
     dev = torch.device(s.device)
+    try:
+        models = kept_modules(s, ns, compiled.names)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    kept = [keep_fp32(models, s.keep_fp32)] if models else []
     # Entered all or none, left to the end, whatever line an interrupt lands on.
-    contexts = [tf32, s.mode.module_init_context(), s.mode.forward_context(s.device), *probes]
+    contexts = [tf32, s.mode.kernel_context(s.device, s.fp16_kernels),
+                s.mode.module_init_context(), s.mode.forward_context(s.device), *kept, *probes]
     with guarded(contexts) as entered:
         try:
             sync(dev)
@@ -137,7 +179,8 @@ def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
             raise
     emulation = entered[0]
     made = watch.made(value)
-    notes = (_notes(s, s.mode, emulation) + _true_mode_note(s.mode, made)
+    notes = (_notes(s, s.mode, emulation) + mode_notes(s, s.mode, models)
+             + _true_mode_note(s.mode, made)
              + _state_note(before, _state.snapshot()))
     code = show_code(s.mode, s.device, s.tf32, cell) if args.show_code else None
     return AmpRun(s.mode.name, s.device, _tf32_text(s), seconds, made, tuple(notes), value,
