@@ -91,3 +91,10 @@ def test_keep_fp32_without_a_model_is_refused(ip):
 def test_help_lists_the_new_options():
     doc = AmpMagics.amp.__doc__
     assert "--fp16-kernels" in doc and "--keep-fp32" in doc
+
+
+@pytest.mark.parametrize("kernels", ["native", "emulated"])
+def test_the_report_says_once_how_fp16_ran(ip, kernels):
+    amp(ip, f"16-mixed --fp16-kernels {kernels} -o r", "y = lin(x)")
+    notes = [n for n in ip.user_ns["r"].notes if "fp16" in n and "slower" in n]
+    assert len(notes) == 1 and ("emulated in fp32" in notes[0]) == (kernels == "emulated")

@@ -11,6 +11,7 @@ import torch
 from ampnb.device.cpu import cpu_features, cpu_model, cpu_native, detected_features
 from ampnb.display import Table
 from ampnb.formats import FORMATS, FloatFormat, get_format
+from ampnb.fp16_kernels import emulates_fp16, fp16_kernels_note
 from ampnb.modes import MODES, PrecisionMode, get_mode
 
 # ---------------------------------------------------------------- devices
@@ -146,6 +147,9 @@ def support(mode_or_format: object, device: str | torch.device | DeviceInfo = "c
         return Support(False, False, found.reason)
     if found.reason:  # the mode runs, but says how (e.g. FP8 emulated where TE cannot run)
         return Support(True, False, found.reason)
+    if target.compute_dtype == torch.float16 and emulates_fp16(dev.name):
+        why = "fp16_kernels='emulated'" if cpu_native("fp16") else "no native fp16 units on this CPU"
+        return Support(True, False, f"emulated: {fp16_kernels_note(dev.name)} ({why})")
     return _format_support(get_format(target.compute_dtype), dev)
 
 

@@ -9,13 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from ampnb.device import support, tf32_context
-from ampnb.fp16_kernels import emulated_fp16_kernels
+from ampnb.fp16_kernels import Fp16Kernels, emulates_fp16
 from ampnb.modes import PrecisionMode, get_mode
 
 REFERENCE = "32-true"
 TF32 = "32-true+tf32"
 DEFAULT = (REFERENCE, TF32, "bf16-mixed", "16-mixed", "bf16-true", "16-true", "transformer-engine")
-EMULATED_FP16 = "fp16 GEMMs emulated in fp32 (as tensor cores accumulate)"
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,8 @@ class Candidate:
         """TF32 and fp16-kernel settings for a run of this candidate (forward and backward)."""
         stack = contextlib.ExitStack()
         stack.enter_context(tf32_context(self.tf32, device))
-        stack.enter_context(emulated_fp16_kernels(self.fp16_kernels))
+        kernels = Fp16Kernels.EMULATED if self.fp16_kernels else Fp16Kernels.NATIVE
+        stack.enter_context(self.mode.kernel_context(device, kernels))
         return stack
 
 
@@ -58,10 +58,8 @@ def candidate(name: str, device: str) -> Candidate | None:
     found = support(mode, device)
     if not found.ok:
         return None
-    half = torch.float16 in (mode.autocast_dtype, mode.param_dtype)
-    if half and torch.device(device).type == "cpu" and not found.native:
-        return Candidate(mode.name, mode, None, False, f"emulated: {EMULATED_FP16}; {found.reason}",
-                         fp16_kernels=True)
+    if mode.compute_dtype == torch.float16 and emulates_fp16(device):
+        return Candidate(mode.name, mode, None, False, found.reason, fp16_kernels=True)
     return Candidate(mode.name, mode, None, found.native, "native" if found.native else found.reason)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from ampnb import _state
 from ampnb.comparison.run import guarded
+from ampnb.comparison.snapshot import module_roots, used_names
 from ampnb.device import (
     TF32Setting,
     get_device,
@@ -22,11 +23,10 @@ from ampnb.device import (
     tf32_state,
 )
 from ampnb.device import tf32_setting as _core_tf32_setting
+from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.magics import instruments
 from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
-from ampnb.comparison.snapshot import module_roots, used_names
-from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.magics.show_code import show_code
 from ampnb.modes import MODES, PrecisionMode, get_mode
 from ampnb.selective import keep_fp32, keep_patterns, matching_modules
@@ -118,7 +118,9 @@ def _tf32_text(s: Settings) -> str:
 def _notes(s: Settings, mode: PrecisionMode, emulation: Any = None) -> list[str]:
     notes = []
     found = support(mode, s.device)
-    if found.ok and not found.native:
+    # fp16 on a CPU: mode_notes says how its products ran under this run's --fp16-kernels
+    said_by_mode_notes = mode.compute_dtype == torch.float16 and fp16_kernels_note(s.device)
+    if found.ok and not found.native and not said_by_mode_notes:
         notes.append(f"{mode.name} on {s.device}: {found.reason}")
     if mode.name.startswith("transformer-engine"):
         # %%amp cannot swap the layers of models the cell did not make; say where FP8 happens.
