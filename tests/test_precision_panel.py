@@ -265,3 +265,29 @@ def test_an_interrupt_at_any_line_of_a_mode_change_leaves_the_workbench_consiste
         assert same(weights(wb.model), start)
         n += 1
     assert n > 20 and wb.mode.name == "bf16-true"
+
+
+def test_fp16_kernels_control_switches_the_workbench_and_says_how_fp16_runs(panel):
+    assert list(panel.fp16_kernels.options) == ["auto", "native", "emulated"]
+    panel.mode.value = "16-mixed"
+    panel.fp16_kernels.value = "native"
+    panel.buttons["Step"].click()
+    wb = panel.workbench
+    assert wb.fp16_kernels == "native" and "emulated in fp32" not in wb.history[-1].kernels
+    panel.fp16_kernels.value = "emulated"
+    panel.buttons["Step"].click()
+    assert "emulated in fp32" in wb.history[-1].kernels
+    assert "emulated in fp32" in html.unescape(panel.status.value)
+
+
+def test_module_picker_keeps_the_chosen_modules_in_fp32(panel):
+    assert tuple(panel.keep_fp32.options) == ("0", "1", "2")
+    panel.mode.value = "bf16-true"
+    panel.keep_fp32.value = ("2",)
+    panel.buttons["Step"].click()
+    wb = panel.workbench
+    assert wb.keep_fp32 == ("2",) and wb.model[2].weight.dtype == torch.float32
+    assert wb.model[0].weight.dtype == torch.bfloat16
+    assert "kept in fp32: 2" in panel.status.value
+    panel.buttons["Reset"].click()
+    assert panel.keep_fp32.value == () and wb.keep_fp32 == ()

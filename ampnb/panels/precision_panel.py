@@ -11,6 +11,7 @@ import ipywidgets as widgets
 
 from ampnb.device import devices, tf32_effect
 from ampnb.display import dtype_name, format_bytes
+from ampnb.fp16_kernels import FP16_KERNELS_ALLOWED
 from ampnb.modes import MODES
 from ampnb.panels.base import Panel, positive_int
 from ampnb.plots._axes import new_axes
@@ -37,6 +38,11 @@ def mode_options(device: str) -> list[tuple[str, str]]:
     return options
 
 
+def module_paths(model: Any) -> tuple[str, ...]:
+    """The module picker's choices: every submodule's dotted path."""
+    return tuple(name for name, _ in model.named_modules() if name)
+
+
 class PrecisionPanel(Panel):
     """Mode / device / TF32 controls, Step / Run N / Reset, live loss curve and measurements."""
 
@@ -61,6 +67,13 @@ class PrecisionPanel(Panel):
                                        description="device", style=style)
         self.tf32 = widgets.ToggleButton(value=wb.tf32, description="TF32", icon="bolt",
                                          tooltip="allow TF32 tensor-core matmuls (CUDA, Ampere+)")
+        self.fp16_kernels = widgets.Dropdown(
+            options=FP16_KERNELS_ALLOWED, value=wb.fp16_kernels.value, description="fp16 kernels",
+            style=style, tooltip="CPU: fp16 products emulated in fp32 as tensor cores do, or "
+                                 "torch's native (slow) kernels; auto picks by the CPU")
+        self.keep_fp32 = widgets.SelectMultiple(
+            options=module_paths(wb.model), value=wb.keep_fp32, rows=4, description="keep fp32",
+            style=style)
         self.buttons = {name: widgets.Button(description=name, layout={"width": "auto"})
                         for name in ("Step", "Run N", "Reset")}
         self.n = widgets.BoundedIntText(run_n, min=1, max=100_000, description="N",
@@ -81,9 +94,13 @@ class PrecisionPanel(Panel):
         self.mode.observe(lambda c: self._on_change(self._set_mode, c), names="value")
         self.device.observe(lambda c: self._on_change(self._set_device, c), names="value")
         self.tf32.observe(lambda c: self._on_change(self._set_tf32, c), names="value")
+        self.fp16_kernels.observe(lambda c: self._on_change(self._set_fp16_kernels, c),
+                                  names="value")
+        self.keep_fp32.observe(lambda c: self._on_change(self._set_keep_fp32, c), names="value")
         b = self.buttons
         self.widget = widgets.VBox([
             widgets.HBox([self.mode, self.device, self.tf32]),
+            widgets.HBox([self.fp16_kernels, self.keep_fp32]),
             widgets.HBox([b["Step"], b["Run N"], self.n, b["Reset"]]),
             self.message,
             widgets.HBox([self.out, widgets.VBox([self.status, self.ops])]),
@@ -115,6 +132,16 @@ class PrecisionPanel(Panel):
     def _set_tf32(self, enabled: bool) -> str:
         self.workbench.set(tf32=enabled)
         return tf32_effect(self.workbench.device)
+
+    def _set_fp16_kernels(self, choice: str) -> str:
+        self.workbench.set(fp16_kernels=choice)
+        return self.workbench.kernels_note or f"fp16 kernels: {choice} (the current mode computes no fp16)"
+
+    def _set_keep_fp32(self, paths: tuple[str, ...]) -> str:
+        notes = self.workbench.set(keep_fp32=tuple(paths))
+        self._trace()
+        kept = ", ".join(self.workbench.keep_fp32) or "none"
+        return " ".join(notes) or f"modules kept in fp32: {kept}"
 
     def _step(self) -> str:
         r = self.workbench.step()
@@ -149,6 +176,8 @@ class PrecisionPanel(Panel):
             self.mode.options = mode_options(str(wb.device))
             self.mode.value, self.device.value = wb.mode.name, str(wb.device)
             self.tf32.value = wb.tf32
+            self.fp16_kernels.value = wb.fp16_kernels.value
+            self.keep_fp32.value = wb.keep_fp32
         finally:
             self._syncing = False
 
@@ -165,6 +194,10 @@ class PrecisionPanel(Panel):
                                      else f"{ratio:.2f}x (medians of recent steps)"),
             "saved for backward " + (format_bytes(last.memory) if last else "n/a"),
         ]
+        if wb.kernels_note:
+            fields.append(wb.kernels_note)
+        if wb.keep_fp32:
+            fields.append(f"kept in fp32: {', '.join(wb.keep_fp32)}")
         if last and last.nonfinite:
             fields.append(f"inf/NaN weights after step {last.step}: {', '.join(last.nonfinite[:3])}"
                           + (" ..." if len(last.nonfinite) > 3 else ""))
