@@ -75,3 +75,17 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeat: int = 7, w
 
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
+
+
+def gpt2_5m() -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.optim.Optimizer]:
+    """A ~5M-parameter transformers GPT-2 from a config (random init, offline), a batch, AdamW."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=64, n_embd=256, n_layer=6,
+                                       n_head=4, bos_token_id=0, eos_token_id=0)).train()
+    ids = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}, torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 
 import torch
 
-from benchmarks._common import Result
+from benchmarks._common import Result, gpt2_5m
 
 GOALS = {"gpt": 15.0, "gpt2-5M": 60.0}  # seconds for the whole doctor, default modes
 
@@ -21,15 +20,8 @@ def _gpt():
 
 
 def _gpt2_5m():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=64, n_embd=256, n_layer=6,
-                                       n_head=4)).train()
-    ids = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return model, {"input_ids": ids, "labels": ids}, None, opt, "GPT-2 from config"
+    model, batch, opt = gpt2_5m()
+    return model, batch, None, opt, "GPT-2 from config"
 
 
 CASES = {"gpt": _gpt, "gpt2-5M": _gpt2_5m}

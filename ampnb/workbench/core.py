@@ -187,21 +187,22 @@ class Workbench(TableView):
         batch = self._batches[self._cursor % len(self._batches)]
         opt.zero_grad(set_to_none=True)
         scale = None if scaler is None else float(scaler.get_scale())
-        with tf32_switch(self._tf32), mode.kernel_context(device, self._fp16_kernels):
+        with tf32_switch(self._tf32):
             sync(device)
             start = time.perf_counter()
             run = batch.to(device).convert(mode.convert_input)
             with MemoryMeter(device) as meter:
-                with mode.forward_context(device), self._kept():
-                    raw = run.call(model)
-                out_dtype = output_dtype(raw)
-                loss = step_loss(mode.convert_output(raw), run, self.loss_fn)
+                # Products run in the mode's kernels in forward and backward; the update has none.
+                with mode.kernel_context(device, self._fp16_kernels):
+                    with mode.forward_context(device), self._kept():
+                        raw = run.call(model)
+                    out_dtype = output_dtype(raw)
+                    loss = step_loss(mode.convert_output(raw), run, self.loss_fn)
+                    (loss if scaler is None else scaler.scale(loss)).backward()
                 if scaler is None:
-                    loss.backward()
                     opt.step()
                     skipped = False
                 else:
-                    scaler.scale(loss).backward()
                     scaler.step(opt)
                     scaler.update()
                     # update() backs the scale off exactly when step() found inf/NaN and skipped.
