@@ -132,11 +132,18 @@ def _train_16_mixed(name: str, emulate: bool, steps: int) -> tuple[list[float], 
     return losses, scales
 
 
-def test_a_16_mixed_training_run_matches_the_native_kernels_within_fp16_rounding():
-    """50 steps of the demo MLP: same scale history (so the same skipped steps), same losses."""
-    native_loss, native_scale = _train_16_mixed("mlp", emulate=False, steps=50)
-    emul_loss, emul_scale = _train_16_mixed("mlp", emulate=True, steps=50)
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_a_16_mixed_training_run_matches_the_native_kernels_within_fp16_rounding(name):
+    """50 steps of each demo model: same scale history (so the same skipped steps), same losses.
+
+    Only the rounding order of the sums differs. The GPT's training amplifies such differences
+    (as any two accumulation orders do): its steps agree to a few fp16 units at first, then
+    drift apart slowly, staying within 2% over the 50 steps.
+    """
+    native_loss, native_scale = _train_16_mixed(name, emulate=False, steps=50)
+    emul_loss, emul_scale = _train_16_mixed(name, emulate=True, steps=50)
     assert emul_scale == native_scale
     rel = [abs(a - b) / abs(a) for a, b in zip(native_loss, emul_loss)]
-    assert max(rel) < 2e-3  # a few fp16 units: only the rounding order of the sums differs
+    assert max(rel[:10]) < 2e-3  # a few fp16 units
+    assert max(rel) < (2e-2 if name == "gpt" else 2e-3)
     assert native_loss[-1] < native_loss[0] and emul_loss[-1] < emul_loss[0]
