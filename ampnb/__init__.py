@@ -33,6 +33,8 @@ _EXPORTS: dict[str, str] = {
     "compare": "ampnb.comparison",
     "doctor": "ampnb.doctor",
     "keep_fp32": "ampnb.selective",
+    "set_fp16_kernels": "ampnb.fp16_kernels",
+    "emulated_fp16_kernels": "ampnb.fp16_kernels",
 }
 _SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
                "lowbit"}

@@ -83,6 +83,7 @@ CELLS = [
     ("--compare 32-true,bf16-mixed --repeat 1", "y = lin(x)"),
     ("bf16-mixed --trace --hunt --memory", "lin(x).sum().backward()"),
     ("32-true --tf32 emulate", "y = lin(x)"),
+    ("16-mixed --fp16-kernels emulated", "lin(x).float().sum().backward()"),
 ]
 
 
@@ -127,5 +128,25 @@ def test_interrupt_anywhere_in_a_panel_mode_round_trip_leaks_nothing():
         world["panel"].mode.value = "32-true"
 
     tried, leaks = sweep(_panel_world, run, _panel_check, BUDGET)
+    assert tried > 10
+    assert not leaks, f"{len(leaks)} of {tried} interrupt points leaked:\n" + "\n".join(leaks[:10])
+
+
+def test_interrupt_anywhere_in_a_panel_keep_fp32_round_trip_leaks_nothing():
+    def run(world):
+        panel = world["panel"]
+        panel.mode.value = "bf16-true"
+        panel.keep_fp32.value = ("head",)
+        panel.fp16_kernels.value = "emulated"
+        panel.keep_fp32.value = ()
+        panel.mode.value = "32-true"
+
+    def check(world) -> list[str]:
+        wb = world["wb"]
+        problems = [] if wb.keep_fp32 in ((), ("head",)) else [f"keep_fp32 is {wb.keep_fp32}"]
+        wb.set(keep_fp32=())  # then the same checks as a plain mode round trip
+        return problems + _panel_check(world)
+
+    tried, leaks = sweep(_panel_world, run, check, BUDGET)
     assert tried > 10
     assert not leaks, f"{len(leaks)} of {tried} interrupt points leaked:\n" + "\n".join(leaks[:10])
