@@ -147,3 +147,52 @@ def test_a_16_mixed_training_run_matches_the_native_kernels_within_fp16_rounding
     assert max(rel[:10]) < 2e-3  # a few fp16 units
     assert max(rel) < (2e-2 if name == "gpt" else 2e-3)
     assert native_loss[-1] < native_loss[0] and emul_loss[-1] < emul_loss[0]
+
+
+def test_auto_emulates_exactly_where_the_cpu_has_no_fp16_units():
+    from ampnb.device import cpu_features_as
+    from ampnb.fp16_kernels import emulates_fp16, fp16_kernels_note
+
+    with cpu_features_as({"avx2"}):
+        assert emulates_fp16("cpu") and emulates_fp16("cpu", "auto")
+        assert not emulates_fp16("cpu", "native")
+        assert "emulated in fp32" in fp16_kernels_note("cpu")
+        assert "native" in fp16_kernels_note("cpu", "native")
+    with cpu_features_as({"avx512_fp16"}):
+        assert not emulates_fp16("cpu") and emulates_fp16("cpu", "emulated")
+        assert fp16_kernels_note("cpu") == "fp16 kernels native (this CPU has fp16 units)"
+    assert not emulates_fp16("cuda", "emulated") and fp16_kernels_note("cuda") == ""
+
+
+def test_the_python_switch_sets_the_default_and_bad_values_are_refused():
+    from ampnb import set_fp16_kernels
+    from ampnb.device import cpu_features_as
+    from ampnb.fp16_kernels import emulates_fp16, fp16_kernels_choice
+    from ampnb.modes import get_mode
+
+    with cpu_features_as({"avx2"}):
+        old = set_fp16_kernels("native")
+        try:
+            assert fp16_kernels_choice() == "native" and not emulates_fp16("cpu")
+            with get_mode("16-mixed").kernel_context("cpu") as mode:
+                assert mode is None  # nothing pushed: native kernels
+            with get_mode("16-mixed").kernel_context("cpu", "emulated") as mode:
+                assert isinstance(mode, Fp16KernelEmulation)
+        finally:
+            set_fp16_kernels(old)
+    with pytest.raises(ValueError, match="fp16_kernels='gpu' is not allowed; allowed: auto, native, emulated"):
+        set_fp16_kernels("gpu")
+    assert fp16_kernels_choice() == old
+
+
+def test_the_support_table_labels_fp16_modes_with_the_measured_slowdown():
+    from ampnb.device import cpu_features_as, support
+    from ampnb.fp16_kernels import native_slowdown
+
+    with cpu_features_as({"avx2"}):
+        found = support("16-mixed", "cpu")
+        assert found.ok and not found.native
+        assert f"native fp16 kernels here are {native_slowdown():.0f}× slower" in found.reason
+        assert "emulated" not in support("bf16-mixed", "cpu").reason
+    with cpu_features_as({"avx512_fp16"}):
+        assert support("16-mixed", "cpu").native
