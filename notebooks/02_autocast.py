@@ -394,6 +394,69 @@ print(f"TF32 (emulated): {rel(emulated):.1e}   bf16-mixed: {rel(lowered_mm):.1e}
 print("bits:", tf32.mantissa_bits, "vs", bf16.mantissa_bits)
 
 # %% [markdown]
+# ## 6. fp16 on a CPU: products computed as tensor cores compute them
+#
+# Most CPUs have no fp16 arithmetic units, and torch's fp16 CPU kernels are a slow fallback. Yet
+# what makes fp16 interesting — its range and its rounding — needs no fp16 units. A GPU's tensor
+# cores multiply fp16 inputs exactly, add the products in fp32 and round the result to fp16 once;
+# an fp32 kernel on the fp16 inputs computes exactly that. So on a CPU without fp16 units ampnb
+# runs the *products* of `16-mixed` and `16-true` (matmuls, convolutions, attention, LSTMs,
+# forward and backward) that way; everything else — autocast's casts, elementwise ops, the
+# GradScaler — stays real fp16. Every report says so, with the slowdown measured on this machine:
+
+# %%
+print(ampnb.support("16-mixed", "cpu").text)
+
+# %% [markdown]
+# Which of the two is closer to a GPU? Both against the exact product rounded to fp16 once (what
+# fp32-accumulating tensor cores return, up to the order of the fp32 sums):
+
+# %%
+a16 = torch.randn(64, 4096, generator=g).half()
+b16 = torch.randn(4096, 64, generator=g).half()
+exact = (a16.double() @ b16.double()).half()
+native = a16 @ b16                      # torch's own fp16 CPU kernel
+with ampnb.emulated_fp16_kernels():
+    emulated16 = a16 @ b16              # an fp32 kernel on the fp16 inputs, rounded once
+for name, c in [("torch's native fp16 kernel", native), ("ampnb's emulated kernel", emulated16)]:
+    print(f"{name:27}: {(c == exact).float().mean().item():.2%} of the results equal the exact "
+          f"product rounded once")
+
+# %% [markdown]
+# Both accumulate in fp32 and round once, so both agree with the tensor-core result except where
+# the order of the fp32 sums moves a value across a rounding boundary: as close to a GPU as each
+# other, and the emulation is the one that runs at fp32 speed. `%%amp 16-mixed --fp16-kernels native`
+# (or `ampnb.set_fp16_kernels("native")`, or the PrecisionPanel's *fp16 kernels* control) runs
+# torch's own kernels instead.
+#
+# With fp16 at fp32 speed, a model no longer has to be tiny to show fp16's range. This 8M-parameter
+# MLP has a few *outlier features* — hidden units whose weights are hundreds of times larger than
+# the rest, as large pretrained transformers grow them — and inputs of a realistic scale. Those
+# units' outputs pass fp16's largest value, 65504, and turn into inf. `--hunt` finds where:
+
+# %%
+torch.manual_seed(0)
+big = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+with torch.no_grad():
+    big[0].weight[:8] *= 400                            # 8 outlier features
+features = torch.randn(512, 1024, generator=g) * 100
+with torch.no_grad():
+    print(f"{sum(p.numel() for p in big.parameters()) / 1e6:.1f}M parameters; largest first-layer "
+          f"output in fp32: {big[0](features).abs().max().item():.0f} (fp16's max: 65504)")
+
+# %%
+# %%amp 16-mixed --hunt
+out16 = big(features)
+
+# %% [markdown]
+# `--compare` shows what the same forward costs in each mode here, and its error (inf in the
+# 16-mixed row; bf16 has fp32's range):
+
+# %%
+# %%amp --compare 32-true,16-mixed,bf16-mixed -r 3
+big(features)
+
+# %% [markdown]
 # ## Summary
 #
 # * Autocast decides per op: matmul-like ops are **lowered**, sensitive ops are **kept in fp32**,
@@ -405,5 +468,7 @@ print("bits:", tf32.mantissa_bits, "vs", bf16.mantissa_bits)
 #   `mode.module_init_context()` builds a model directly in low precision.
 # * TF32 rounds fp32 matmul inputs to 10 mantissa bits on Ampere+ GPUs; `--tf32 emulate` shows
 #   the effect anywhere.
+# * On a CPU without fp16 units, fp16 products run as fp32 kernels rounded once (tensor-core
+#   numerics) at fp32 speed; `--fp16-kernels native` runs torch's slow fallback instead.
 #
 # Next: **03 · GradScaler**, for the one mode that also needs loss scaling: `16-mixed`.
