@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ampnb import apex
 from ampnb._interrupt import Guard
 from ampnb._tree import map_tensors
 from ampnb.display import Table, TableView, dtype_name
@@ -138,6 +139,11 @@ class PrecisionMode(TableView):
             ("needs", self.requirements),
         ]
         return Table(("", self.name), rows, caption=self.description)
+
+    def master_weights(self, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager:
+        """Around the optimizer step: the step runs on fp32 masters (APEX O2). None: every
+        optimizer stepping inside (a %%amp cell)."""
+        return contextlib.nullcontext()
 
 
 class MixedMode(PrecisionMode):
@@ -284,6 +290,65 @@ class TransformerEngineFloat16(TransformerEngine):
     param_dtype = torch.float16
 
 
+def _legacy(found: Availability) -> Availability:
+    return Availability(True, apex.LEGACY) if found.ok else found
+
+
+class ApexO0(Fp32True):
+    name = "apex-O0"
+    aliases = ("apex-o0",)
+    description = f"APEX O0, {apex.LEGACY}: fp32 training"
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        return _legacy(super().availability(device))
+
+
+class ApexO1(Fp16Mixed):
+    name = "apex-O1"
+    aliases = ("apex-o1",)
+    description = (f"APEX O1, {apex.LEGACY}: fp32 weights, fp16 autocast (APEX patched torch "
+                   "functions with its own op lists), dynamic loss scaling")
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        return _legacy(super().availability(device))
+
+
+class ApexO2(PrecisionMode):
+    """fp16 weights except batch norm, fp32 master weights in the optimizer, dynamic loss scaling."""
+
+    name = "apex-O2"
+    aliases = ("apex-o2", "apex")  # Lightning 1.x: amp_backend="apex" defaulted to amp_level="O2"
+    param_dtype = torch.float16
+    uses_scaler = True
+    description = (f"APEX O2, {apex.LEGACY}: fp16 weights (batch norm fp32), fp32 master weights "
+                   "in the optimizer, dynamic loss scaling")
+    requirements = Fp16Mixed.requirements
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return apex.half_except_batchnorm(module)
+
+    def convert_input(self, data: Any) -> Any:
+        return cast_floats(data, torch.float16)  # APEX patched forward to cast inputs to fp16
+
+    def make_scaler(self, device: str | torch.device = "cpu") -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(_device_type(device))
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        return _legacy(super().availability(device))
+
+    def master_weights(self, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager:
+        return apex.master_step_hooks() if optimizer is None else apex.master_step(optimizer)
+
+
+class ApexO3(Fp16True):
+    name = "apex-O3"
+    aliases = ("apex-o3",)
+    description = f"APEX O3, {apex.LEGACY}: pure fp16, no master weights, static loss scale 1"
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        return _legacy(super().availability(device))
+
+
 MODES: dict[str, PrecisionMode] = {
     cls.name: cls()
     for cls in (
@@ -295,6 +360,10 @@ MODES: dict[str, PrecisionMode] = {
         Fp64True,
         TransformerEngine,
         TransformerEngineFloat16,
+        ApexO0,
+        ApexO1,
+        ApexO2,
+        ApexO3,
     )
 }
 ALIASES: dict[Any, str] = {alias: mode.name for mode in MODES.values() for alias in mode.aliases}

@@ -124,7 +124,8 @@ def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
     probes = instruments.probes(args, s)
     dev = torch.device(s.device)
     # Entered all or none, left to the end, whatever line an interrupt lands on.
-    contexts = [tf32, s.mode.module_init_context(), s.mode.forward_context(s.device), *probes]
+    contexts = [tf32, s.mode.module_init_context(), s.mode.forward_context(s.device),
+                s.mode.master_weights(None), *probes]
     with guarded(contexts) as entered:
         try:
             sync(dev)

@@ -158,11 +158,13 @@ class Workbench(TableView):
                 loss = step_loss(mode.convert_output(raw), run, self.loss_fn)
                 if scaler is None:
                     loss.backward()
-                    opt.step()
+                    with mode.master_weights(opt):
+                        opt.step()
                     skipped = False
                 else:
                     scaler.scale(loss).backward()
-                    scaler.step(opt)
+                    with mode.master_weights(opt):  # APEX O2: the step runs on fp32 masters
+                        scaler.step(opt)
                     scaler.update()
                     # update() backs the scale off exactly when step() found inf/NaN and skipped.
                     skipped = float(scaler.get_scale()) < scale

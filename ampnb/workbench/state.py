@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import Guard
+from ampnb.apex import is_batchnorm
 from ampnb.display import dtype_name
 
 _NARROW = (torch.float16, torch.bfloat16)
@@ -76,6 +77,9 @@ class Master:
 def param_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of the model's floating parameters (ValueError when they differ)."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if len(dtypes) > 1:  # batch norm kept fp32 in an fp16 model (APEX O2) is the model's dtype
+        dtypes = {p.dtype for m in model.modules() if not is_batchnorm(m)
+                  for p in m.parameters(recurse=False) if p.is_floating_point()}
     if len(dtypes) != 1:
         names = sorted(dtype_name(d) for d in dtypes) or ["none"]
         raise ValueError(f"model has floating parameters in {', '.join(names)}; allowed: "
