@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ampnb import apex
+from ampnb import apex, legacy
 from ampnb._interrupt import Guard
 from ampnb._tree import map_tensors
 from ampnb.display import Table, TableView, dtype_name
@@ -370,7 +370,8 @@ ALIASES: dict[Any, str] = {alias: mode.name for mode in MODES.values() for alias
 
 
 def get_mode(mode: str | int | PrecisionMode) -> PrecisionMode:
-    """Look up a mode by Lightning string, legacy alias (16, "bf16", 32, 64) or instance."""
+    """Look up a mode by Lightning string, legacy alias (16, "bf16", 32, 64, "apex"), Lightning
+    1.x arguments ("Trainer(gpus=1, precision=16, amp_backend='apex', amp_level='O2')") or instance."""
     if isinstance(mode, PrecisionMode):
         return mode
     key = mode.strip().lower() if isinstance(mode, str) else mode
@@ -379,7 +380,10 @@ def get_mode(mode: str | int | PrecisionMode) -> PrecisionMode:
             return MODES[key]
         if key in ALIASES:
             return MODES[ALIASES[key]]
+        if isinstance(key, str) and "=" in key:  # a Lightning 1.x call: "Trainer(precision=16)"
+            return get_mode(legacy.resolve(mode))
     aliases = ", ".join(f"{a!r}->{n}" for a, n in ALIASES.items())
     raise ValueError(
-        f"unknown precision mode {mode!r}; choose one of {', '.join(MODES)} (aliases: {aliases})"
+        f"unknown precision mode {mode!r}; choose one of {', '.join(MODES)} (aliases: {aliases}; "
+        "or Lightning 1.x arguments such as \"Trainer(precision=16, amp_backend='apex')\")"
     )

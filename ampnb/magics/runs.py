@@ -140,6 +140,6 @@ def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
     made = watch.made(value)
     notes = (_notes(s, s.mode, emulation) + _true_mode_note(s.mode, made)
              + _state_note(before, _state.snapshot()))
-    code = show_code(s.mode, s.device, s.tf32, cell) if args.show_code else None
+    code = show_code(s.mode, s.device, s.tf32, cell, args.mode) if args.show_code else None
     return AmpRun(s.mode.name, s.device, _tf32_text(s), seconds, made, tuple(notes), value,
                   code=code, extras=instruments.reports(probes))
