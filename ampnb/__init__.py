@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "MODES": "ampnb.modes",
     "get_mode": "ampnb.modes",
     "explain_precision": "ampnb.legacy",
+    "TransformerEnginePrecision": "ampnb.modes",
     "devices": "ampnb.device",
     "support": "ampnb.device",
     "support_table": "ampnb.device",
