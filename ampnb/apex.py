@@ -65,10 +65,24 @@ def forget_masters(module: nn.Module) -> None:
         _MASTERS.pop(p, None)
 
 
-def _master_for(p: torch.Tensor) -> torch.Tensor:
+def _current(p: torch.Tensor) -> torch.Tensor | None:
+    # A master is current while the fp16 weight still holds what was last written from it.
     found = _MASTERS.get(p)
     if found is not None and found[1].dtype == p.dtype and torch.equal(found[1], p.detach()):
         return found[0]
+    return None
+
+
+def master_of(t: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of an fp16 weight when it has a current one (APEX O2), else the tensor."""
+    found = _current(t)
+    return t if found is None else found
+
+
+def _master_for(p: torch.Tensor) -> torch.Tensor:
+    found = _current(p)
+    if found is not None:
+        return found
     # New, or the fp16 weight was changed from outside: seed from it, as APEX seeds its masters.
     master = p.detach().to(torch.float32, copy=True).requires_grad_(True)
     _MASTERS[p] = (master, p.detach().clone())
@@ -122,13 +136,16 @@ def master_step_hooks() -> Guard:
     live: dict[int, tuple[torch.optim.Optimizer, list]] = {}
 
     def pre(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(opt) in live:  # an earlier step raised before its post hook
-            swap_out(*live.pop(id(opt)))
-        live[id(opt)] = (opt, swap_in(opt))
+        with deferred():  # swapped and recorded together, so the exit can always swap back
+            if id(opt) in live:  # an earlier step raised before its post hook
+                swap_out(*live.pop(id(opt)))
+            live[id(opt)] = (opt, swap_in(opt))
 
     def post(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if id(opt) in live:
-            swap_out(*live.pop(id(opt)))
+        with deferred():
+            if id(opt) in live:
+                swap_out(*live[id(opt)])
+                del live[id(opt)]
 
     def enter() -> tuple[Any, Any]:
         return register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)
@@ -137,7 +154,9 @@ def master_step_hooks() -> Guard:
         for handle in handles:
             handle.remove()
         while live:
-            swap_out(*live.popitem()[1])
+            key = next(iter(live))
+            swap_out(*live[key])
+            del live[key]
 
     return Guard(enter, leave)
 

@@ -375,6 +375,11 @@ class ApexO2(PrecisionMode):
     def master_weights(self, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager:
         return apex.master_step_hooks() if optimizer is None else apex.master_step(optimizer)
 
+    def table(self) -> Table:
+        found = super().table()
+        rows = (*found.rows, ("master weights", "fp32, in the optimizer"), ("batch norm", "fp32"))
+        return Table(found.headers, rows, caption=found.caption)
+
 
 class ApexO3(Fp16True):
     name = "apex-O3"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.optim import optimizer as optim_hooks
 
 import ampnb
 from ampnb import _state
-from ampnb.apex import lost_update
+from ampnb.apex import lost_update, master_of, master_step, master_step_hooks
 from ampnb.modes import MODES, get_mode
 
 STEPS = 4
@@ -165,7 +166,7 @@ def test_amp_cell_steps_fp32_masters_and_removes_its_hooks(ip):
     cell = "for _ in range(8):\n    opt.zero_grad()\n    w.sum().backward()\n    opt.step()"
     _, out = _amp(ip, "apex-O2", cell)
     assert float(w.detach()) == float(torch.tensor(1.5 - 8 * 2.0 ** -12).half()) != 1.5
-    assert "legacy" in _shown(out)
+    assert "legacy" in _shown(out) and "convert_module(model)" in _shown(out)
     assert not optim_hooks._global_optimizer_pre_hooks
     assert not optim_hooks._global_optimizer_post_hooks
     assert ip.user_ns["opt"].param_groups[0]["params"][0] is w  # pointed back at the fp16 weight
@@ -186,13 +187,17 @@ def test_a_failing_step_inside_the_cell_leaves_the_optimizer_pointed_at_its_weig
     assert _state.snapshot() == before
 
 
-def test_workbench_switches_out_of_o2_and_back():
+def test_workbench_carries_o2s_fp32_masters_out_and_back():
     model = _model()
     wb = ampnb.Workbench(model, _optimizer(model.parameters(), "adam"), nn.CrossEntropyLoss(),
                          _batches(), mode="apex-O2")
     wb.run(2)
-    with pytest.warns(UserWarning, match="hold float16 values"):  # O2's model weights are fp16
+    masters = [master_of(p).detach().clone() for p in wb.model.parameters()]
+    assert any(not torch.equal(m, m.half().float()) for m in masters)  # finer than fp16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing lost, nothing to warn about
         wb.set(mode="32-true")
+    assert all(torch.equal(p.detach(), m) for p, m in zip(wb.model.parameters(), masters, strict=True))
     wb.run(1)
     wb.set(mode="apex-O2")
     records = wb.run(2)
@@ -201,3 +206,39 @@ def test_workbench_switches_out_of_o2_and_back():
     snapshot = copy.deepcopy(wb.optimizer.state_dict())
     assert all(v.dtype == torch.float32 for s in snapshot["state"].values()
                for k, v in s.items() if torch.is_tensor(v) and k != "step")
+
+
+def _swept_world():
+    w = nn.Parameter(torch.tensor([1.5, -2.0], dtype=torch.float16))
+    bn = nn.Parameter(torch.ones(2))  # fp32: stepped directly, as APEX steps fp32 parameters
+    opt = torch.optim.SGD([w, bn], lr=2.0 ** -12, momentum=0.9)
+    opt.step()  # momentum buffers exist before the sweep
+    (w.sum() + bn.sum()).backward()
+    return w, bn, opt, _state.snapshot()
+
+
+def _left_as_found(world) -> list[str]:
+    w, bn, opt, before = world
+    problems = []
+    if list(map(id, opt.param_groups[0]["params"])) != [id(w), id(bn)] or w.dtype != torch.float16:
+        problems.append("the optimizer was left pointing at a master")
+    if set(map(id, opt.state)) - {id(w), id(bn)}:
+        problems.append("optimizer state left keyed by a master")
+    if optim_hooks._global_optimizer_pre_hooks or optim_hooks._global_optimizer_post_hooks:
+        problems.append("a global optimizer hook was left behind")
+    if _state.snapshot() != before:
+        problems.append("torch state changed")
+    return problems
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_interrupt_anywhere_in_a_master_step_leaves_the_optimizer_as_found(hooks):
+    from _sweep import sweep
+
+    def run(world):
+        opt = world[2]
+        with master_step_hooks() if hooks else master_step(opt):
+            opt.step()
+
+    tried, leaks = sweep(_swept_world, run, _left_as_found, budget=150)
+    assert tried > 20 and not leaks, leaks[:3]

@@ -89,6 +89,9 @@ def _notes(s: Settings, mode: PrecisionMode, emulation: Any = None) -> list[str]
         notes.append(f"{mode.name}: only FP8 layers run in FP8 (convert a model with "
                      f"get_mode({mode.name!r}).convert_module(model)); plain nn.Linear layers "
                      "run in the weight dtype")
+    if mode.name == "apex-O2":  # like FP8: %%amp cannot convert models the cell did not make
+        notes.append("apex-O2: convert the model with get_mode('apex-O2').convert_module(model) "
+                     "(fp16 but batch norm); each optimizer.step() in the cell steps fp32 masters")
     if s.tf32 == "on" and get_device(s.device).type != "cuda":
         notes.append(tf32_effect(s.device) + "; --tf32 emulate shows its rounding")
     if emulation is not None:

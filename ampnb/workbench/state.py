@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import Guard
-from ampnb.apex import is_batchnorm
+from ampnb.apex import is_batchnorm, master_of
 from ampnb.display import dtype_name
 
 _NARROW = (torch.float16, torch.bfloat16)
@@ -45,14 +45,19 @@ class Master:
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> Master:
         """Copy the live model and optimizer state."""
-        tensors = {n: _keep(t) for n, t in named_tensors(model).items()}
+        live = named_tensors(model)
+        tensors = {n: _keep(master_of(t)) for n, t in live.items()}  # APEX O2: the fp32 masters
         sd = optimizer.state_dict()
         state = {i: {k: _keep(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                      for k, v in s.items()} for i, s in sd["state"].items()}
         opt = {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
         wide = any(t.dtype == torch.float64 for t in tensors.values())
         params = frozenset(n for n, _ in model.named_parameters())
-        return cls(tensors, opt, param_dtype(model), wide, params)
+        source = param_dtype(model)
+        if source in _NARROW and all(master_of(live[n]) is not live[n] for n in params
+                                     if live[n].dtype == source):
+            source = torch.float32  # every narrow weight had an fp32 master: nothing was lost
+        return cls(tensors, opt, source, wide, params)
 
     def load_into(self, model: nn.Module) -> None:
         """Copy the master values into the model's tensors (casting to their dtype).
