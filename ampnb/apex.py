@@ -9,6 +9,7 @@ this by keeping the weights themselves in fp32 and casting per op under autocast
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,12 +198,18 @@ def _stepped(weight: float, dtype: torch.dtype, lr: float, steps: int, masters: 
 def lost_update(weight: float = 1.5, steps: int = 8) -> LostUpdate:
     """The lost-update demonstration: pure fp16 (O3) loses the update, O2's fp32 master keeps it."""
     fp16 = get_format("fp16")
-    ulp = 2.0 ** (torch.tensor(weight).abs().log2().floor().item() - fp16.mantissa_bits)
+    w = float(weight)
+    if not (fp16.smallest_normal <= abs(w) <= fp16.max) or float(torch.tensor(w).half()) != w:
+        raise ValueError(f"weight={weight!r} is not allowed; allowed: a normal fp16 number "
+                         "(such as 1.5), so that fp16 holds it exactly")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} is not allowed; allowed: an integer >= 1")
+    ulp = math.ldexp(1.0, math.frexp(abs(w))[1] - 1 - fp16.mantissa_bits)  # fp16's spacing at w
     update = ulp / 4  # below half an ulp: w - update rounds back to w in fp16
     rows = (
-        ("apex-O3", "fp16 weights", _stepped(weight, torch.float16, update, steps, False)),
-        ("apex-O2", "fp32 masters -> fp16 weights", _stepped(weight, torch.float16, update, steps, True)),
-        ("16-mixed", "fp32 weights (autocast casts per op)", _stepped(weight, torch.float32, update, steps,
+        ("apex-O3", "fp16 weights", _stepped(w, torch.float16, update, steps, False)),
+        ("apex-O2", "fp32 masters -> fp16 weights", _stepped(w, torch.float16, update, steps, True)),
+        ("16-mixed", "fp32 weights (autocast casts per op)", _stepped(w, torch.float32, update, steps,
                                                                      False)),
     )
-    return LostUpdate(weight, update, steps, rows)
+    return LostUpdate(w, update, steps, rows)

@@ -242,3 +242,22 @@ def test_interrupt_anywhere_in_a_master_step_leaves_the_optimizer_as_found(hooks
 
     tried, leaks = sweep(_swept_world, run, _left_as_found, budget=150)
     assert tried > 20 and not leaks, leaks[:3]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"weight": 1.3}, "weight=1.3 is not allowed; allowed: a normal fp16 number"),
+    ({"weight": 1e6}, "weight=1000000.0 is not allowed"),
+    ({"steps": 0}, "steps=0 is not allowed"),
+])
+def test_lost_update_refuses_weights_fp16_cannot_hold(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lost_update(**kwargs)
+
+
+@pytest.mark.parametrize("weight", [1.0, -3.0, 0.0625, 1000.0])
+def test_lost_update_holds_at_other_weights(weight):
+    demo = lost_update(weight=weight, steps=4)
+    spacing = float(torch.tensor(abs(weight)).half().nextafter(torch.tensor(65504.0).half()).float()
+                    - abs(weight))
+    assert demo.update == spacing / 4
+    assert not demo.kept("apex-O3") and demo.kept("apex-O2") and demo.kept("16-mixed")
