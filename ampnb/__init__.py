@@ -18,6 +18,8 @@ _EXPORTS: dict[str, str] = {
     "PrecisionMode": "ampnb.modes",
     "MODES": "ampnb.modes",
     "get_mode": "ampnb.modes",
+    "explain_precision": "ampnb.legacy",
+    "TransformerEnginePrecision": "ampnb.modes",
     "devices": "ampnb.device",
     "support": "ampnb.device",
     "support_table": "ampnb.device",

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ampnb import apex, legacy
 from ampnb._interrupt import Guard
 from ampnb._tree import map_tensors
 from ampnb.display import Table, TableView, dtype_name
@@ -151,6 +152,11 @@ class PrecisionMode(TableView):
         ]
         return Table(("", self.name), rows, caption=self.description)
 
+    def master_weights(self, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager:
+        """Around the optimizer step: the step runs on fp32 masters (APEX O2). None: every
+        optimizer stepping inside (a %%amp cell)."""
+        return contextlib.nullcontext()
+
 
 class MixedMode(PrecisionMode):
     """Weights stay fp32; forward runs under torch.autocast in the low dtype."""
@@ -245,6 +251,14 @@ class TransformerEngine(PrecisionMode):
                    "other ops under autocast in the weight dtype")
     requirements = ("any device (emulated FP8); real FP8: NVIDIA Transformer Engine on a GPU "
                     "with compute capability >= 8.9")
+    recipe: ClassVar[Any] = None  # an Fp8Recipe; None is Transformer Engine's DelayedScaling()
+    replace_layers: ClassVar[bool | None] = None  # Lightning's: None and True swap the layers
+    fallback_compute_dtype: ClassVar[torch.dtype | None] = None  # autocast dtype; None: weights'
+
+    @property
+    def fallback_dtype(self) -> torch.dtype:
+        """The dtype ops that do not run in FP8 compute in (Lightning's fallback autocast)."""
+        return self.fallback_compute_dtype or self.param_dtype
 
     def _real(self, device: str | torch.device) -> bool:
         from ampnb.fp8.te import te_status
@@ -255,16 +269,19 @@ class TransformerEngine(PrecisionMode):
         if self._real(device):
             from ampnb.fp8.te import te_forward_context
 
-            return te_forward_context(None, self.param_dtype)
+            return te_forward_context(self.recipe, self.param_dtype, self.fallback_dtype)
         from ampnb.fp8.autocast import emulated_fp8_context
 
-        return emulated_fp8_context(_device_type(device), self.param_dtype)
+        return emulated_fp8_context(_device_type(device), self.param_dtype, self.fallback_dtype)
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         return default_dtype(self.param_dtype)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Swap Linear layers for FP8 ones (TE's where it runs, else emulated), then cast weights."""
+        """Swap Linear and LayerNorm layers for TE's (real where it runs, else emulated), then cast
+        the weights; a model that already has TE layers is left as it is, as Lightning does."""
+        if self.replace_layers is False:
+            return module.to(dtype=self.param_dtype)
         param = next(module.parameters(), None)
         if param is not None and self._real(param.device):
             from ampnb.fp8.te import convert_to_te
@@ -272,7 +289,7 @@ class TransformerEngine(PrecisionMode):
             return convert_to_te(module).to(dtype=self.param_dtype)
         from ampnb.fp8.convert import swap_for_mode
 
-        return swap_for_mode(module).to(dtype=self.param_dtype)
+        return swap_for_mode(module, self.recipe).to(dtype=self.param_dtype)
 
     def convert_input(self, data: Any) -> Any:
         return cast_floats(data, self.param_dtype)
@@ -296,6 +313,95 @@ class TransformerEngineFloat16(TransformerEngine):
     param_dtype = torch.float16
 
 
+class TransformerEnginePrecision(TransformerEngine):
+    """Lightning's `TransformerEnginePrecision(weights_dtype=, recipe=, replace_layers=,
+    fallback_compute_dtype=)` as a mode; `recipe` as Lightning takes it (a dict, a DelayedScaling)."""
+
+    def __init__(self, *, weights_dtype: torch.dtype, recipe: Any = None,
+                 replace_layers: bool | None = None,
+                 fallback_compute_dtype: torch.dtype | None = None) -> None:
+        from ampnb.fp8.recipe import from_te_recipe
+
+        for label, value in (("weights_dtype", weights_dtype),
+                             ("fallback_compute_dtype", fallback_compute_dtype)):
+            if not (isinstance(value, torch.dtype) and value.is_floating_point
+                    or value is None and label == "fallback_compute_dtype"):
+                raise ValueError(f"{label}={value!r} is not allowed; allowed: a floating "
+                                 "torch.dtype such as torch.bfloat16")
+        if not (replace_layers is None or isinstance(replace_layers, bool)):
+            raise ValueError(f"replace_layers={replace_layers!r} is not allowed; allowed: None, True, False")
+        self.recipe = from_te_recipe(recipe)
+        self.param_dtype, self.replace_layers = weights_dtype, replace_layers
+        self.fallback_compute_dtype = fallback_compute_dtype
+        self.name = TransformerEngineFloat16.name if weights_dtype == torch.float16 else TransformerEngine.name
+        self.description = (f"{TransformerEngine.description}; weights {dtype_name(weights_dtype)}, "
+                            f"recipe {self.recipe.describe()}")
+
+
+def _legacy(found: Availability) -> Availability:
+    return Availability(True, apex.LEGACY) if found.ok else found
+
+
+class ApexO0(Fp32True):
+    name = "apex-O0"
+    aliases = ("apex-o0",)
+    description = f"APEX O0, {apex.LEGACY}: fp32 training"
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        return _legacy(super().availability(device))
+
+
+class ApexO1(Fp16Mixed):
+    name = "apex-O1"
+    aliases = ("apex-o1",)
+    description = (f"APEX O1, {apex.LEGACY}: fp32 weights, fp16 autocast (APEX patched torch "
+                   "functions with its own op lists), dynamic loss scaling")
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        return _legacy(super().availability(device))
+
+
+class ApexO2(PrecisionMode):
+    """fp16 weights except batch norm, fp32 master weights in the optimizer, dynamic loss scaling."""
+
+    name = "apex-O2"
+    aliases = ("apex-o2", "apex")  # Lightning 1.x: amp_backend="apex" defaulted to amp_level="O2"
+    param_dtype = torch.float16
+    uses_scaler = True
+    description = (f"APEX O2, {apex.LEGACY}: fp16 weights (batch norm fp32), fp32 master weights "
+                   "in the optimizer, dynamic loss scaling")
+    requirements = Fp16Mixed.requirements
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return apex.half_except_batchnorm(module)
+
+    def convert_input(self, data: Any) -> Any:
+        return cast_floats(data, torch.float16)  # APEX patched forward to cast inputs to fp16
+
+    def make_scaler(self, device: str | torch.device = "cpu") -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(_device_type(device))
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        return _legacy(super().availability(device))
+
+    def master_weights(self, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager:
+        return apex.master_step_hooks() if optimizer is None else apex.master_step(optimizer)
+
+    def table(self) -> Table:
+        found = super().table()
+        rows = (*found.rows, ("master weights", "fp32, in the optimizer"), ("batch norm", "fp32"))
+        return Table(found.headers, rows, caption=found.caption)
+
+
+class ApexO3(Fp16True):
+    name = "apex-O3"
+    aliases = ("apex-o3",)
+    description = f"APEX O3, {apex.LEGACY}: pure fp16, no master weights, static loss scale 1"
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        return _legacy(super().availability(device))
+
+
 MODES: dict[str, PrecisionMode] = {
     cls.name: cls()
     for cls in (
@@ -307,13 +413,18 @@ MODES: dict[str, PrecisionMode] = {
         Fp64True,
         TransformerEngine,
         TransformerEngineFloat16,
+        ApexO0,
+        ApexO1,
+        ApexO2,
+        ApexO3,
     )
 }
 ALIASES: dict[Any, str] = {alias: mode.name for mode in MODES.values() for alias in mode.aliases}
 
 
 def get_mode(mode: str | int | PrecisionMode) -> PrecisionMode:
-    """Look up a mode by Lightning string, legacy alias (16, "bf16", 32, 64) or instance."""
+    """Look up a mode by Lightning string, legacy alias (16, "bf16", 32, 64, "apex"), Lightning
+    1.x arguments ("Trainer(gpus=1, precision=16, amp_backend='apex', amp_level='O2')") or instance."""
     if isinstance(mode, PrecisionMode):
         return mode
     key = mode.strip().lower() if isinstance(mode, str) else mode
@@ -322,7 +433,10 @@ def get_mode(mode: str | int | PrecisionMode) -> PrecisionMode:
             return MODES[key]
         if key in ALIASES:
             return MODES[ALIASES[key]]
+        if isinstance(key, str) and "=" in key:  # a Lightning 1.x call: "Trainer(precision=16)"
+            return get_mode(legacy.resolve(mode))
     aliases = ", ".join(f"{a!r}->{n}" for a, n in ALIASES.items())
     raise ValueError(
-        f"unknown precision mode {mode!r}; choose one of {', '.join(MODES)} (aliases: {aliases})"
+        f"unknown precision mode {mode!r}; choose one of {', '.join(MODES)} (aliases: {aliases}; "
+        "or Lightning 1.x arguments such as \"Trainer(precision=16, amp_backend='apex')\")"
     )

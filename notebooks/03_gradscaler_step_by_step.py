@@ -289,6 +289,41 @@ print(explain("fp16_grads"))
 # want to compare modes.
 
 # %% [markdown]
+# ## Before native AMP: APEX O2 and its master weights
+#
+# Lightning 1.x offered a second road to fp16: `Trainer(gpus=1, precision=16, amp_backend="apex",
+# amp_level="O2")`. NVIDIA APEX's O2 kept the *model* in fp16 (batch norm excepted) and gave the
+# *optimizer* fp32 copies of the weights, the master weights: after backward the fp16 gradients
+# were copied to fp32 and unscaled, the optimizer stepped the masters, and the masters were rounded
+# back into the fp16 model. APEX is gone from Lightning 2.0; ampnb keeps its levels runnable as
+# legacy modes `apex-O0` ... `apex-O3`, emulated with native torch (`get_mode`, `%%amp`, the
+# Workbench), and reads the old spellings:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+old = ampnb.explain_precision(gpus=1, precision=16, amp_backend="apex", amp_level="O2")
+print(old.call, "\n  today:", old.today, "\n  ampnb runs it as:", old.mode)
+print(ampnb.get_mode(old.mode).table())
+
+# %% [markdown]
+# Why keep a second, fp32 copy at all? Adding an update smaller than half an fp16 *ulp* (the gap
+# to the next fp16 number) to an fp16 weight rounds straight back to the same weight. Below, one
+# weight gets eight SGD updates of a quarter ulp each: in pure fp16 (`apex-O3`) every one of them
+# is lost; O2's fp32 master keeps them all, and its fp16 copy moves once they add up.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from ampnb.apex import lost_update
+
+print(lost_update(weight=1.5, steps=8))
+
+# %% [markdown]
+# Native AMP (`16-mixed`) replaced all of this: the weights themselves stay fp32 (they *are* the
+# masters) and autocast casts them to fp16 op by op, so there is no second copy to keep in step
+# and no copy-back; `GradScaler` does the dynamic loss scaling APEX did (same defaults: 2^16, ×2
+# after 2000 clean steps, ×0.5 on overflow). The last row above is that road.
+
+# %% [markdown]
 # ## Checkpoints
 #
 # `state_dict()` captures the model, the optimizer, the scaler (scale and growth tracker) and the

@@ -161,7 +161,8 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
         nonlocal done
         mode = get_mode(e.mode)
         contexts = [tf32_context(e.tf32, dev), mode.kernel_context(dev, kernels),
-                    mode.module_init_context(), mode.forward_context(dev)]
+                    mode.module_init_context(), mode.forward_context(dev),
+                    mode.master_weights(None)]  # APEX O2: optimizers step on fp32 masters
         if islands and e != entries[0]:  # the reference stays IEEE fp32 throughout
             contexts.append(keep_fp32_context(model, keep_fp32))
         with Guard(lambda: work.prepare(mode), lambda _: work.restore()) as note:

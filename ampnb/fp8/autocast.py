@@ -49,9 +49,11 @@ def autocast_guard(device_type: str, dtype: torch.dtype) -> contextlib.AbstractC
     return Guard(enter, lambda ctx: ctx.__exit__(None, None, None))
 
 
-def emulated_fp8_context(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+def emulated_fp8_context(device_type: str, dtype: torch.dtype,
+                         fallback: torch.dtype | None = None) -> contextlib.AbstractContextManager:
     """Lightning's FP8 forward stack: default dtype, fallback autocast, then FP8 autocast."""
-    autocast = torch.autocast(device_type, dtype=dtype)  # a bad device fails here, unchanged
+    # A bad device fails here, unchanged; the fallback autocast runs in `fallback` (else dtype).
+    autocast = torch.autocast(device_type, dtype=fallback or dtype)
 
     # One Guard for the three changes: an interrupt between them cannot leave one behind.
     def enter() -> tuple[torch.dtype, torch.autocast, Any]:

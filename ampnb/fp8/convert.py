@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ampnb.display import Table, TableView
+from ampnb.fp8.layernorm import TeLayerNorm, replaceable
+from ampnb.fp8.layernorm import unsupported_reason as ln_unsupported
 from ampnb.fp8.layers import CONVERTIBLE, describe_left_out, kind_of, left_out, swap_children
 from ampnb.fp8.linear import MATMULS, Fp8Linear
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
@@ -152,29 +154,60 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
 
 
 def revert_fp8(model: nn.Module) -> nn.Module:
-    """Put back the layer each Fp8Linear replaced, in place, holding the same parameters."""
-    if isinstance(model, Fp8Linear):
+    """Put back the layer each Fp8Linear (or emulated TE LayerNorm) replaced, in place."""
+    if isinstance(model, (Fp8Linear, TeLayerNorm)):
         return model.revert()
     back: dict[int, nn.Module] = {}  # a layer used twice comes back as one layer
     swaps = [(parent, name, back.setdefault(id(child), child.revert()))
              for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, Fp8Linear)]
+             if isinstance(child, (Fp8Linear, TeLayerNorm))]
     swap_children(swaps)
     return model
+
+
+def has_te_layers(module: nn.Module) -> bool:
+    """Whether the model already holds Transformer Engine layers, real or ampnb's emulated ones."""
+    return any("transformer_engine" in type(m).__module__ or isinstance(m, (Fp8Linear, TeLayerNorm))
+               for m in module.modules())
+
+
+def _swap_layernorms(module: nn.Module) -> list[str]:
+    """Swap every nn.LayerNorm for an emulated te.LayerNorm, as Fabric does; names left out."""
+    skipped, swaps, made = [], [], {}
+    for parent in module.modules():
+        for name, child in parent.named_children():
+            if replaceable(child):
+                why = ln_unsupported(child)
+                if why:
+                    skipped.append(f"{name!r} ({why})")
+                else:
+                    swaps.append((parent, name, made.setdefault(id(child), TeLayerNorm(child))))
+    swap_children(swaps)
+    return skipped
 
 
 def swap_for_mode(module: nn.Module, recipe: Fp8Recipe | str | None = None) -> nn.Module:
     """The transformer-engine precision's conversion: in place, FP8 only inside fp8_autocast.
 
-    As Lightning does, layers FP8 cannot take are skipped with a warning rather than an error,
-    also when that leaves no layer in FP8 (the warning then says the model runs in the
-    weight dtype only).
+    As Lightning does, Linear and LayerNorm layers are both replaced; a model that already has
+    TE layers (real, or ampnb's) is left as it is; layers FP8 cannot take are skipped with a
+    warning rather than an error, also when that leaves no layer in FP8 (the warning then says
+    the model runs in the weight dtype only).
     """
+    if has_te_layers(module):
+        return module  # Fabric: "avoid converting if any is found. assume the user took care of it"
     before = plan(module)
-    module = _convert(module, from_recipe_name(recipe), "auto", None)
+    r = from_recipe_name(recipe)
+    if replaceable(module) and not ln_unsupported(module):
+        return TeLayerNorm(module)  # a bare LayerNorm is the root
+    module = _convert(module, r, "auto", None)
+    norms = _swap_layernorms(module)
     if before.skipped:
         none = "" if before.converted else " (no layer runs in FP8: the model computes in " \
                                            "its weight dtype only)"
         warnings.warn(f"FP8: {len(before.skipped)} linear layer(s) stay in higher precision"
                       f"{none}: {before.message()}. Pad them to use FP8.", stacklevel=3)
+    if norms:
+        warnings.warn(f"FP8: {len(norms)} LayerNorm(s) stay as they are: {'; '.join(norms)}",
+                      stacklevel=3)
     return module

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Any
@@ -124,3 +125,47 @@ def from_recipe_name(name: str | Fp8Recipe | None) -> Fp8Recipe:
     if key not in RECIPES:
         raise ValueError(f"unknown FP8 recipe {name!r}; allowed: {', '.join(RECIPES)}")
     return RECIPES[key]
+
+
+# Transformer Engine DelayedScaling fields ampnb emulates, and those it accepts only at the value
+# that changes nothing here (reduce_amax: any bool, one device has no amax to reduce).
+TE_FIELDS = ("margin", "fp8_format", "amax_history_len", "amax_compute_algo")
+TE_INERT: dict[str, Any] = {"interval": 1, "override_linear_precision": (False, False, False),
+                            "scaling_factor_compute_algo": None, "fp8_dpa": False,
+                            "fp8_mha": False, "backward_override": None}
+
+
+def _te_fields(recipe: Any) -> dict[str, Any]:
+    if isinstance(recipe, Mapping):
+        return dict(recipe)
+    if type(recipe).__name__ == "DelayedScaling":  # Transformer Engine's own recipe object
+        names = (*TE_FIELDS, *TE_INERT, "reduce_amax")
+        return {n: getattr(recipe, n) for n in names if hasattr(recipe, n)}
+    raise ValueError(f"recipe={recipe!r} is not allowed; allowed: None, a dict of DelayedScaling's "
+                     "fields, a transformer_engine DelayedScaling or an ampnb Fp8Recipe")
+
+
+def from_te_recipe(recipe: Any) -> Fp8Recipe:
+    """Lightning's `TransformerEnginePrecision(recipe=...)`: a dict of DelayedScaling's fields
+    (fp8_format by its Format name, as Lightning reads it), a TE DelayedScaling, or None."""
+    if recipe is None or isinstance(recipe, Fp8Recipe):
+        return from_recipe_name(recipe)
+    given = _te_fields(recipe)
+    allowed = (*TE_FIELDS, *TE_INERT, "reduce_amax")
+    for key, value in given.items():
+        if key not in allowed:
+            raise ValueError(f"DelayedScaling has no field {key!r}; allowed: {', '.join(allowed)}")
+        if key in TE_INERT and value != TE_INERT[key] and not (key == "override_linear_precision"
+                                                               and tuple(value) == TE_INERT[key]):
+            raise ValueError(f"{key}={value!r} is not emulated by ampnb; allowed: "
+                             f"{TE_INERT[key]!r} (Transformer Engine's default)")
+    fmt = given.get("fp8_format", Fp8Format.HYBRID)
+    fmt = getattr(fmt, "name", fmt)  # TE's Format enum, by name
+    if isinstance(fmt, str) and fmt.upper() == "E5M2":
+        raise ValueError("fp8_format='E5M2' is not allowed; allowed: 'HYBRID', 'E4M3' "
+                         "(Transformer Engine's DelayedScaling refuses pure E5M2 training)")
+    if callable(given.get("amax_compute_algo")):
+        raise ValueError("a callable amax_compute_algo is not emulated by ampnb; allowed: "
+                         "'max', 'most_recent'")
+    kept = {k: v for k, v in given.items() if k in TE_FIELDS and k != "fp8_format"}
+    return Fp8Recipe(fp8_format=fmt, scaling=Scaling.DELAYED, **kept)

@@ -103,10 +103,11 @@ def convert_to_te(module: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def te_forward_context(recipe: Fp8Recipe | str | None, dtype: torch.dtype):
+def te_forward_context(recipe: Fp8Recipe | str | None, dtype: torch.dtype,
+                       fallback: torch.dtype | None = None):
     """Lightning's forward context: default dtype, fallback CUDA autocast, te.fp8_autocast."""
     import transformer_engine.pytorch as te
 
     fp8 = te.fp8_autocast(enabled=True, fp8_recipe=to_te_recipe(recipe))
-    with default_dtype_guard(dtype), autocast_guard("cuda", dtype), fp8:
+    with default_dtype_guard(dtype), autocast_guard("cuda", fallback or dtype), fp8:
         yield

@@ -119,7 +119,8 @@ def _notes(s: Settings, mode: PrecisionMode, emulation: Any = None) -> list[str]
     notes = []
     found = support(mode, s.device)
     # fp16 on a CPU: mode_notes says how its products ran under this run's --fp16-kernels
-    said_by_mode_notes = mode.compute_dtype == torch.float16 and fp16_kernels_note(s.device)
+    kernels = fp16_kernels_note(s.device)  # '' off the CPU
+    said_by_mode_notes = bool(kernels) and kernels in found.reason
     if found.ok and not found.native and not said_by_mode_notes:
         notes.append(f"{mode.name} on {s.device}: {found.reason}")
     if mode.name.startswith("transformer-engine"):
@@ -127,6 +128,9 @@ def _notes(s: Settings, mode: PrecisionMode, emulation: Any = None) -> list[str]
         notes.append(f"{mode.name}: only FP8 layers run in FP8 (convert a model with "
                      f"get_mode({mode.name!r}).convert_module(model)); plain nn.Linear layers "
                      "run in the weight dtype")
+    if mode.name == "apex-O2":  # like FP8: %%amp cannot convert models the cell did not make
+        notes.append("apex-O2: convert the model with get_mode('apex-O2').convert_module(model) "
+                     "(fp16 but batch norm); each optimizer.step() in the cell steps fp32 masters")
     if s.tf32 == "on" and get_device(s.device).type != "cuda":
         notes.append(tf32_effect(s.device) + "; --tf32 emulate shows its rounding")
     if emulation is not None:
@@ -168,7 +172,8 @@ def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
     kept = [keep_fp32(models, s.keep_fp32)] if models else []
     # Entered all or none, left to the end, whatever line an interrupt lands on.
     contexts = [tf32, s.mode.kernel_context(s.device, s.fp16_kernels),
-                s.mode.module_init_context(), s.mode.forward_context(s.device), *kept, *probes]
+                s.mode.module_init_context(), s.mode.forward_context(s.device),
+                s.mode.master_weights(None), *kept, *probes]
     with guarded(contexts) as entered:
         try:
             sync(dev)
@@ -184,6 +189,6 @@ def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
     notes = (_notes(s, s.mode, emulation) + mode_notes(s, s.mode, models)
              + _true_mode_note(s.mode, made)
              + _state_note(before, _state.snapshot()))
-    code = show_code(s.mode, s.device, s.tf32, cell) if args.show_code else None
+    code = show_code(s.mode, s.device, s.tf32, cell, args.mode) if args.show_code else None
     return AmpRun(s.mode.name, s.device, _tf32_text(s), seconds, made, tuple(notes), value,
                   code=code, extras=instruments.reports(probes))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 import torch
 
+from ampnb import legacy
 from ampnb.modes import PrecisionMode
 
 # Lightning's precision strings are ampnb's mode names. Accelerate's `mixed_precision` has
@@ -66,10 +68,17 @@ def _body(mode: PrecisionMode, device_type: str, cell: str) -> list[str]:
             "finally:", "    torch.set_default_dtype(previous)"]
 
 
-def show_code(mode: PrecisionMode, device: str | torch.device, tf32: str | None, cell: str) -> str:
-    """Plain PyTorch equivalent of running `cell` under mode/device/tf32, plus framework settings."""
+def show_code(mode: PrecisionMode, device: str | torch.device, tf32: str | None, cell: str,
+              spelled: Any = None) -> str:
+    """Plain PyTorch equivalent of running `cell` under mode/device/tf32, plus framework settings.
+
+    `spelled` is the mode as the user wrote it: an older Lightning spelling is explained.
+    """
     device_type = torch.device(device).type
-    lines = ["import torch", "", *_tf32_lines(tf32), *_body(mode, device_type, cell), ""]
+    lines = ["import torch", "", *legacy.code_notes(spelled, mode.name), *_tf32_lines(tf32),
+             *(legacy.apex_body(mode.name, cell) or _body(mode, device_type, cell)), ""]
+    if mode.name in legacy.APEX_MODES:
+        return "\n".join(lines + legacy.apex_code(mode.name))
     lines.append(f'# Lightning:  L.Fabric(precision="{mode.name}")  or  L.Trainer(precision="{mode.name}")')
     accelerate = ACCELERATE.get(mode.name)
     if accelerate is None:

@@ -200,10 +200,12 @@ class Workbench(TableView):
                     loss = step_loss(mode.convert_output(raw), run, self.loss_fn)
                     (loss if scaler is None else scaler.scale(loss)).backward()
                 if scaler is None:
-                    opt.step()
+                    with mode.master_weights(opt):
+                        opt.step()
                     skipped = False
                 else:
-                    scaler.step(opt)
+                    with mode.master_weights(opt):  # APEX O2: the step runs on fp32 masters
+                        scaler.step(opt)
                     scaler.update()
                     # update() backs the scale off exactly when step() found inf/NaN and skipped.
                     skipped = float(scaler.get_scale()) < scale

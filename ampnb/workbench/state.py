@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import Guard
+from ampnb.apex import is_batchnorm, master_of
 from ampnb.display import dtype_name
 
 _NARROW = (torch.float16, torch.bfloat16)
@@ -44,14 +45,19 @@ class Master:
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> Master:
         """Copy the live model and optimizer state."""
-        tensors = {n: _keep(t) for n, t in named_tensors(model).items()}
+        live = named_tensors(model)
+        tensors = {n: _keep(master_of(t)) for n, t in live.items()}  # APEX O2: the fp32 masters
         sd = optimizer.state_dict()
         state = {i: {k: _keep(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                      for k, v in s.items()} for i, s in sd["state"].items()}
         opt = {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
         wide = any(t.dtype == torch.float64 for t in tensors.values())
         params = frozenset(n for n, _ in model.named_parameters())
-        return cls(tensors, opt, param_dtype(model, mostly=True), wide, params)
+        source = param_dtype(model, mostly=True)
+        if source in _NARROW and all(master_of(live[n]) is not live[n] for n in params
+                                     if live[n].dtype == source):
+            source = torch.float32  # every narrow weight had an fp32 master: nothing was lost
+        return cls(tensors, opt, source, wide, params)
 
     def load_into(self, model: nn.Module) -> None:
         """Copy the master values into the model's tensors (casting to their dtype).
@@ -76,10 +82,14 @@ class Master:
 def param_dtype(model: nn.Module, mostly: bool = False) -> torch.dtype:
     """The dtype of the model's floating parameters (ValueError when they differ).
 
-    `mostly`: the dtype most parameter elements have (modules kept in fp32 inside a true mode).
+    Batch norm kept fp32 in an fp16 model (APEX O2) does not count. `mostly`: the dtype most
+    parameter elements have (modules kept in fp32 inside a true mode, `keep_fp32`).
     """
     found = [p for p in model.parameters() if p.is_floating_point()]
     dtypes = {p.dtype for p in found}
+    if len(dtypes) > 1:
+        dtypes = {p.dtype for m in model.modules() if not is_batchnorm(m)
+                  for p in m.parameters(recurse=False) if p.is_floating_point()}
     if mostly and len(dtypes) > 1:
         count = {d: sum(p.numel() for p in found if p.dtype == d) for d in dtypes}
         return max(count, key=count.get)
