@@ -16,7 +16,6 @@
 # a real `torch.amp.GradScaler` and only *records* what it sees: nothing is re-implemented.
 
 # %%
-import time
 
 import torch
 
@@ -47,38 +46,21 @@ print("a gradient of 2 scaled, in fp16: ", (torch.tensor(2.0) * scale).half().it
 
 
 # %% [markdown]
-# ## A tiny model
+# ## The model
 #
-# We train the demo MLP from `ampnb.models` (spirals classification), made very small on purpose.
-# Most CPUs have no fp16 arithmetic units, so torch runs fp16 matmuls through a slow fallback.
-# Measure it on this machine:
+# We train the demo MLP from `ampnb.models` (spirals classification). Most CPUs have no fp16
+# arithmetic units, and torch's own fp16 kernels there are a slow fallback; so on such a CPU ampnb
+# runs the matrix products of `16-mixed` as fp32 kernels on the fp16 inputs, rounded to fp16 once
+# — what a GPU's tensor cores compute (notebook 02, section 6). The support table says which runs
+# here, with the native kernels' slowdown measured on this machine:
 
 # %%
-def best_ms(fn, repeat=7):
-    fn()  # warm-up: the first call pays for thread start-up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3  # the least disturbed run, on a machine others may share
-
-a32 = torch.randn(256, 256)
-a16 = a32.half()
-threads = torch.get_num_threads()
-torch.set_num_threads(1)  # one thread each: a fair race, not disturbed by other work here
-try:
-    fp32_ms, fp16_ms = best_ms(lambda: a32 @ a32), best_ms(lambda: a16 @ a16)
-finally:
-    torch.set_num_threads(threads)
-print(f"256x256 matmul on one CPU thread: fp32 {fp32_ms:.2f} ms, fp16 {fp16_ms:.2f} ms "
-      f"(fp16 {fp16_ms / fp32_ms:.0f}x slower)")
-
+print(ampnb.support("16-mixed", "cpu").text)
 
 # %% [markdown]
-# That is why every model in this notebook is tiny; on a GPU the same code runs with
-# `device="cuda"` and fp16 is fast. `setup()` builds the same model, optimizer, loss and batches
-# every time it is called with the same seed.
+# The numerics the GradScaler deals with — fp16's range and rounding — are the same either way.
+# On a GPU the same code runs with `device="cuda"`. `setup()` builds the same model, optimizer,
+# loss and batches every time it is called with the same seed.
 
 # %%
 def setup(seed=0):

@@ -138,14 +138,14 @@ def test_a_16_mixed_training_run_matches_the_native_kernels_within_fp16_rounding
 
     Only the rounding order of the sums differs. The GPT's training amplifies such differences
     (as any two accumulation orders do): its steps agree to a few fp16 units at first, then
-    drift apart slowly, staying within 2% over the 50 steps.
+    drift apart slowly (about 1% by step 50 here; the bound is 5%).
     """
     native_loss, native_scale = _train_16_mixed(name, emulate=False, steps=50)
     emul_loss, emul_scale = _train_16_mixed(name, emulate=True, steps=50)
     assert emul_scale == native_scale
     rel = [abs(a - b) / abs(a) for a, b in zip(native_loss, emul_loss)]
-    assert max(rel[:10]) < 2e-3  # a few fp16 units
-    assert max(rel) < (2e-2 if name == "gpt" else 2e-3)
+    assert max(rel[:5]) < 1e-3  # a few fp16 units
+    assert max(rel) < (5e-2 if name == "gpt" else 2e-3)
     assert native_loss[-1] < native_loss[0] and emul_loss[-1] < emul_loss[0]
 
 
