@@ -13,7 +13,7 @@ from functools import cache
 
 import torch
 
-from ampnb.lowbit.dynamic_map import absmax_scale, dequantize_blockwise, dynamic_map, nearest_index
+from ampnb.lowbit.blockwise import absmax_scale, dequantize_blockwise, dynamic_map, nearest_index
 
 # QLoRA / bitsandbytes `create_normal_map`: the quantile that sets NF4's largest code.
 NF4_OFFSET = 0.9677083

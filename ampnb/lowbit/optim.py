@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.lowbit.dynamic_map import dequantize_blockwise, dynamic_map, quantize_blockwise
+from ampnb.lowbit.blockwise import dequantize_blockwise, dynamic_map, quantize_blockwise
 
 # bitsandbytes/optim/optimizer.py: 8-bit state only for tensors of at least this many values,
 # in blocks of 256 (the 8-bit optimizers paper used 2048; today's kernels use 256).
