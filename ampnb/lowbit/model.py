@@ -16,7 +16,7 @@ from ampnb.batch import as_batch
 from ampnb.display import Table, TableView, dtype_name, format_bytes
 from ampnb.fp8.layers import CONVERTIBLE, describe_left_out, kind_of, left_out, swap_children
 from ampnb.fp8.scaling import sqnr
-from ampnb.lowbit.formats import LowBitFormat, get_lowbit
+from ampnb.lowbit.formats import INV_127, LowBitFormat, get_lowbit, quantize_weight
 from ampnb.lowbit.layers import LOWBIT_LAYERS, Linear4bit, Linear8bitLt
 
 
@@ -176,9 +176,10 @@ def _effective(layer: nn.Module, f: LowBitFormat) -> torch.Tensor:
 
     if f.is_4bit:
         return bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
-    state = layer.state
-    return (state.CB.float() * state.SCB.float()[:, None] / 127) if state.CB is not None \
-        else layer.weight.float()
+    w = layer.weight
+    if w.dtype == torch.int8:  # int8: CB with one fp32 scale per row (SCB)
+        return w.data.float() * w.SCB.float()[:, None] * INV_127
+    return quantize_weight(w.detach().half(), f).dequantize().float()  # int8-training: per forward
 
 
 def quantize_model(model: nn.Module, mode: str | LowBitFormat, *, dtype: torch.dtype | None = None,
