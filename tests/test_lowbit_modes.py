@@ -194,6 +194,9 @@ def test_quantize_model_replaces_each_linear_for_every_mode(mode):
     assert [e.name for e in report.layers] == ["body.0", "body.2", "lm_head"]
     assert all(e.output_sqnr_db > 10 for e in report.layers)
     assert q(x).dtype == torch.float32
+    trainable = {n for n, p in q.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in q.named_parameters()}
+    assert any(n.endswith("weight16") for n in trainable) == (mode == "int8-training")
 
 
 def test_ignore_modules_and_dtype_are_lightnings_arguments():

@@ -91,7 +91,7 @@ class Linear8bitLt(_LowBitLinear):
         w16 = weight.detach().half()
         self.has_fp16_weights = fmt.weight_bits == 16
         if self.has_fp16_weights:
-            self.weight16 = nn.Parameter(w16.clone(), weight.requires_grad)
+            self.weight16 = nn.Parameter(w16.clone())  # trainable, as bitsandbytes' fp16 weights
         else:
             codes, stats = int8_rowwise(w16.float())
             self.register_buffer("codes", codes)
