@@ -8,7 +8,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampnb.lowbit.formats import INV_127, LowBitFormat, Quantized, int8_rowwise, quantize_weight
+from ampnb.lowbit.formats import (
+    INV_127,
+    DoubleQuant,
+    LowBitFormat,
+    Quantized,
+    int8_rowwise,
+    quantize_weight,
+)
 from ampnb.lowbit.int8 import THRESHOLD, int8_matmul
 
 
@@ -66,14 +73,31 @@ class Linear4bit(_LowBitLinear):
         super().__init__(fmt, weight.shape[1], weight.shape[0], bias, transposed)
         self.compute_dtype = compute_dtype
         # Lightning quantizes `weight.half()`: dequantization gives fp16 back, then compute_dtype.
-        self.quantized: Quantized = quantize_weight(weight.detach().half(), fmt)
+        q = quantize_weight(weight.detach().half(), fmt)
+        self.shape = tuple(q.shape)
+        # Buffers, so .to(), deepcopy and state_dict carry the stored form (as bitsandbytes' do).
+        self.register_buffer("codes", q.codes)
+        if q.dq is None:
+            self.register_buffer("absmax", q.absmax)
+        else:
+            self.register_buffer("absmax_codes", q.dq.codes)
+            self.register_buffer("absmax2", q.dq.absmax2)
+            self.register_buffer("absmax_offset", q.dq.offset)
+
+    @property
+    def quantized(self) -> Quantized:
+        """The stored weight: 4-bit codes and the (double-quantized) block scales."""
+        if not self.fmt.double_quant:
+            return Quantized(self.fmt, self.codes, self.absmax, torch.Size(self.shape), torch.float16)
+        dq = DoubleQuant(self.absmax_codes, self.absmax2, self.absmax_offset, self.fmt.dq_blocksize)
+        return Quantized(self.fmt, self.codes, dq.dequantize(), torch.Size(self.shape), torch.float16, dq)
 
     def linear_weight(self) -> torch.Tensor:
         return self.quantized.dequantize().to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return F.linear(x.to(self.compute_dtype), self.linear_weight().to(x.device), bias).to(x.dtype)
+        return F.linear(x.to(self.compute_dtype), self.linear_weight(), bias).to(x.dtype)
 
 
 class Linear8bitLt(_LowBitLinear):
