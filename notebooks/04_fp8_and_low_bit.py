@@ -347,6 +347,12 @@ hook.remove()
 lowbit.int8_split(feats["x"].reshape(-1, feats["x"].shape[-1]), gpt.model.blocks[0].mlp[0].weight)
 
 # %% [markdown]
+# The `int8` report on a batch names, per layer, the input features that went the fp16 path:
+
+# %%
+lowbit.quantize_model(gpt.model, "int8", inputs=x)[1]
+
+# %% [markdown]
 # ### Exercise 2
 #
 # Lower the threshold of `int8_split` on the GPT's activations until some features go the 16-bit

@@ -229,3 +229,18 @@ def test_roundtrip_without_bitsandbytes_is_the_emulation(mode):
     w = torch.randn(16, 128, generator=torch.Generator().manual_seed(9))
     assert torch.equal(roundtrip(w, mode), roundtrip(w, mode, use_bitsandbytes=False))
     assert math.isfinite(get_lowbit(mode).bits_per_param(w.shape))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-training"])
+def test_report_names_the_features_that_went_the_fp16_path(mode):
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(6, 32)
+    x[2, 11] = 8.0  # one value past the threshold: feature 11 of the first layer's input
+    _, report = quantize_model(model, mode, inputs=x)
+    hidden = torch.relu(model[0](x))
+    expected = tuple(torch.argwhere((hidden.half().abs() >= 6).any(0)).view(-1).tolist())
+    assert [e.outlier_features for e in report.layers] == [(11,), expected]
+    assert "fp16 features" in repr(report) and "|x| >= 6" in repr(report)
+    _, nf4 = quantize_model(model, "nf4", inputs=x)
+    assert "fp16 features" not in repr(nf4)

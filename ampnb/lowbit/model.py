@@ -17,6 +17,7 @@ from ampnb.display import Table, TableView, dtype_name, format_bytes
 from ampnb.fp8.layers import CONVERTIBLE, describe_left_out, kind_of, left_out, swap_children
 from ampnb.fp8.scaling import sqnr
 from ampnb.lowbit.formats import INV_127, LowBitFormat, get_lowbit, quantize_weight
+from ampnb.lowbit.int8 import THRESHOLD
 from ampnb.lowbit.layers import LOWBIT_LAYERS, Linear4bit, Linear8bitLt
 
 
@@ -31,6 +32,7 @@ class LayerError:
     max_abs_error: float
     output_sqnr_db: float | None = None
     kind: str = "Linear"
+    outlier_features: tuple[int, ...] | None = None  # int8 modes: inputs that went the fp16 path
 
 
 @dataclass(frozen=True, repr=False)
@@ -52,6 +54,11 @@ class LowBitReport(TableView):
             list(CONVERTIBLE).index(k) if k in CONVERTIBLE else len(CONVERTIBLE), k))))
 
     @property
+    def int8(self) -> bool:
+        """An int8 mode measured on a batch: the table shows which features went the fp16 path."""
+        return any(e.outlier_features is not None for e in self.layers)
+
+    @property
     def quantized_bytes(self) -> float:
         return sum(e.bits_per_param * math.prod(e.shape) for e in self.layers) / 8
 
@@ -63,7 +70,8 @@ class LowBitReport(TableView):
         rows = [(e.name, e.kind, "×".join(map(str, e.shape)), f"{e.bits_per_param:.3f}",
                  "-" if math.isnan(e.weight_sqnr_db) else f"{e.weight_sqnr_db:.1f}",
                  "-" if math.isnan(e.max_abs_error) else f"{e.max_abs_error:.3g}",
-                 "-" if e.output_sqnr_db is None else f"{e.output_sqnr_db:.1f}")
+                 "-" if e.output_sqnr_db is None else f"{e.output_sqnr_db:.1f}",
+                 *((_features(e.outlier_features),) if self.int8 else ()))
                 for e in self.layers]
         notes = [f"{describe_left_out(self.quantized)} weights: "
                  f"{format_bytes(self.quantized_bytes)} in {self.fmt.name} vs "
@@ -76,8 +84,10 @@ class LowBitReport(TableView):
                          f"(Lightning's rule); bits/param are the layers' own")
         if self.left_out:
             notes.append(f"left out (kept as they were): {describe_left_out(self.left_out)}")
+        if self.int8:
+            notes.append(f"fp16 features: inputs with |x| >= {THRESHOLD:g} in the batch (LLM.int8())")
         return Table(("layer", "type", "weight (out×in)", "bits/param", "weight SQNR dB",
-                      "max |error|", "output SQNR dB"), rows,
+                      "max |error|", "output SQNR dB", *(("fp16 features",) if self.int8 else ())), rows,
                      caption=f"{self.fmt.name}: {self.fmt.description}", notes=tuple(notes))
 
 
@@ -104,6 +114,21 @@ def _layer_outputs(model: nn.Module, inputs: Any, names: set[str] | None = None)
     with Guard(register, restore), torch.no_grad():
         as_batch(inputs).call(model)
     return outs
+
+
+def _features(cols: tuple[int, ...] | None) -> str:
+    if cols is None:
+        return "-"
+    shown = ", ".join(map(str, cols[:6])) + (" …" if len(cols) > 6 else "")
+    return f"{len(cols)}" + (f": {shown}" if cols else "")
+
+
+def _outliers(layer: nn.Module) -> tuple[int, ...] | None:
+    """The input features the latest forward sent to fp16 (emulated or bitsandbytes' Linear8bitLt)."""
+    if isinstance(layer, Linear8bitLt):
+        return layer.outlier_features
+    idx = getattr(getattr(layer, "state", None), "idx", None)  # bitsandbytes' MatmulLtState
+    return None if idx is None else tuple(idx.tolist())
 
 
 def _bitsandbytes_ready(model: nn.Module) -> Any:
@@ -230,7 +255,8 @@ def quantize_model(model: nn.Module, mode: str | LowBitFormat, *, dtype: torch.d
     swap_children(swaps)  # all or none, also on an interrupt
     after = _layer_outputs(target, inputs, {e[0] for e in errors}) if before is not None else None
     layers = tuple(LayerError(name, shape, bits, w_db, err,
-                              None if after is None else sqnr(before[name], after[name]), kind)
+                              None if after is None else sqnr(before[name], after[name]), kind,
+                              _outliers(target.get_submodule(name)) if after is not None else None)
                    for name, shape, bits, w_db, err, kind in errors)
     return target, LowBitReport(f, layers, rest, dtype=dtype, real=bnb is not None)
 
