@@ -244,3 +244,12 @@ def test_report_names_the_features_that_went_the_fp16_path(mode):
     assert "fp16 features" in repr(report) and "|x| >= 6" in repr(report)
     _, nf4 = quantize_model(model, "nf4", inputs=x)
     assert "fp16 features" not in repr(nf4)
+
+
+def test_an_all_zero_row_quantizes_to_zero_codes_not_nan():
+    from ampnb.lowbit.formats import int8_rowwise
+
+    rows = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5]])
+    codes, stats = int8_rowwise(rows)
+    assert codes[0].tolist() == [0, 0, 0] and codes[1].tolist() == [64, -127, 32]
+    assert stats.tolist() == [0.0, 2.0]

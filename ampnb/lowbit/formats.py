@@ -195,7 +195,9 @@ def int8_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bitsandbytes' `int8_vectorwise_quant` without outliers: (int8 rows, fp32 absmax per row)."""
     rows = w.reshape(w.shape[0], -1) if w.dim() > 1 else w.reshape(1, -1)
     stats = rows.abs().amax(dim=1).float()
-    return torch.round(rows * (127.0 / stats[:, None])).to(torch.int8), stats
+    # An all-zero row (a ReLU output, say) gives 0/0 in bitsandbytes' formula: codes 0, explicitly.
+    scale = torch.where(stats > 0, 127.0 / stats, torch.zeros_like(stats))
+    return torch.round(rows * scale[:, None]).to(torch.int8), stats
 
 
 def quantize_weight(w: torch.Tensor, fmt: str | LowBitFormat) -> Quantized:
