@@ -10,7 +10,9 @@
 # 2. why FP8 needs a **scale** per tensor, and how a *recipe* picks it (amax history, margin),
 # 3. an FP8 linear layer, and a whole transformer converted to FP8,
 # 4. the same model trained in fp32, bf16-mixed and FP8, side by side,
-# 5. 4-bit NormalFloat (NF4) and friends: weight-only formats with block-wise scales.
+# 5. 4-bit NormalFloat (NF4) and friends: Lightning's six bitsandbytes modes, with block-wise scales,
+# 6. LLM.int8(): int8 matmuls that send outlier features to 16 bits,
+# 7. 8-bit Adam: the optimizer's state in 8 bits.
 #
 # Every number is measured here or derived from the formats' bits. The whole notebook runs in well
 # under a minute on a small CPU.
@@ -230,12 +232,13 @@ ax.figure
 result.stats.table()
 
 # %% [markdown]
-# ## 6 · Low-bit weights: NF4, FP4, int8
+# ## 6 · Low-bit weights: Lightning's bitsandbytes modes
 #
 # For inference and fine-tuning (QLoRA), weights can be stored in 4 or 8 bits while the compute
-# stays in bf16. The weights are cut into **blocks** (64 values); each block is divided by its
-# absmax, so every value lies in [-1, 1], and then rounded to the nearest of 16 (4-bit) or 255
-# (int8) **code values**.
+# stays in 16 bits. Lightning's `BitsandbytesPrecision(mode, dtype, ignore_modules)` offers six
+# modes, and `lowbit.quantize_model(model, mode, dtype=..., ignore_modules=...)` takes the same
+# arguments. The 4-bit weights are cut into **blocks** of 64 values; each block is divided by its
+# absmax, so every value lies in [-1, 1], and then rounded to the nearest of 16 **code values**.
 #
 # **NF4** (4-bit NormalFloat) places its 16 codes at quantiles of the normal distribution, because
 # trained weights are roughly normal: each code then gets about the same share of the weights.
@@ -247,6 +250,18 @@ result.stats.table()
 book = lowbit.nf4_codebook()
 print([round(v, 4) for v in book.tolist()])
 
+# %% [markdown]
+# bitsandbytes' **FP4** is an e2m1 float, the OCP grid but for one value: its smallest non-zero
+# magnitude is 0.0625/12 instead of 0.5/6. Both code books, side by side with the OCP e2m1 grid
+# (from `ampnb.formats`):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+e2m1 = ampnb.get_format("fp4_e2m1")
+ocp = sorted({abs(v) for v in (ampnb.quantize(torch.linspace(0, e2m1.max, 1001), e2m1) / e2m1.max).tolist()})
+print("bitsandbytes fp4:", [round(v, 4) for v in sorted(set(lowbit.fp4_codebook().abs().tolist()))])
+print("OCP e2m1 / max:  ", [round(v, 4) for v in ocp])
+
 # %%
 w = gpt.model.blocks[0].mlp[0].weight
 ax = plots.plot_lowbit_grid(w, "nf4")
@@ -254,43 +269,130 @@ ax.figure
 
 # %% [markdown]
 # The scales cost memory too: one fp32 absmax per 64 weights is 32/64 = 0.5 extra bits per weight.
-# QLoRA's **double quantization** (`nf4-dq`) stores those absmax values in 8 bits (with one fp32
-# scale per 256 of them): 8/64 + 32/(64·256) ≈ 0.127 bits. For a 4096 × 4096 layer:
+# **Double quantization** (`-dq`, QLoRA) subtracts their mean and stores them in bitsandbytes'
+# *dynamic 8-bit map* (a decimal exponent and a linear fraction, so small scales keep their
+# relative precision), with one fp32 absmax per 256 of them. Derived from the block sizes:
 
 # %%
 # NBVAL_CHECK_OUTPUT
+saving = lowbit.double_quant_saving()
+print(f"saving = 32/64 - (8/64 + 32/(64*256)) = {saving:.4f} bits per parameter")
+print(f"for a 65B-parameter model: {65e9 * saving / 8 / 1e9:.2f} GB "
+      f"(Lightning's docs: ~0.37 bits per parameter, about 3 GB)")
 for name, f in lowbit.LOWBIT_FORMATS.items():
-    print(f"{name:7s} {f.bits_per_param((4096, 4096)):.4f} bits/param   {f.description}")
+    print(f"{name:14s} {f.bits_per_param((4096, 4096)):7.4f} bits/param   {f.description}")
 
 # %% [markdown]
-# What does it do to our model? `lowbit.quantize_model` rounds every Linear (and Conv1D) weight through the format
-# (on a copy) and reports per layer the weight SQNR and the SQNR of the layer's output for a batch,
-# against the original model:
+# What does each mode do to our model? `quantize_model` replaces every Linear (and GPT-2's Conv1D)
+# with an emulated bitsandbytes layer (on a copy) and measures, per layer, the error of the weight
+# the matmul really uses and of the layer's output for a batch. One table for the six modes —
+# bits per parameter and memory of the quantized weights, mean weight SQNR, and the loss:
 
 # %%
+from ampnb.display import Table, format_bytes
+
 x, y = gpt.batches[0]
-nf4_model, report = lowbit.quantize_model(gpt.model, "nf4-dq", inputs=x)
 with torch.no_grad():
-    print(f"loss fp32 weights {gpt.loss_fn(gpt.model(x), y).item():.4f}, "
-          f"nf4-dq weights {gpt.loss_fn(nf4_model(x), y).item():.4f}")
+    fp32_loss = gpt.loss_fn(gpt.model(x), y).item()
+rows = []
+for name in lowbit.LOWBIT_FORMATS:
+    q_model, r = lowbit.quantize_model(gpt.model, name, inputs=x)
+    n = sum(e.shape[0] * e.shape[1] for e in r.layers)
+    with torch.no_grad():
+        loss = gpt.loss_fn(q_model(x), y).item()
+    rows.append((name, f"{8 * r.quantized_bytes / n:.3f}", format_bytes(r.quantized_bytes),
+                 format_bytes(r.fp32_bytes), f"{sum(e.weight_sqnr_db for e in r.layers) / len(r.layers):.1f}",
+                 f"{loss:.4f}", f"{fp32_loss:.4f}"))
+Table(("mode", "bits/param", "weights", "in fp32", "weight SQNR dB", "loss", "fp32 loss"), rows,
+      caption="the demo GPT's Linear layers in each bitsandbytes mode (emulated)")
+
+# %% [markdown]
+# Lightning's other two arguments: `dtype` is the compute dtype (bfloat16 by default for the 4-bit
+# modes; the int8 modes need float16, as in Lightning), and `ignore_modules` keeps layers whose
+# name starts with one of its strings as they are. A model that already holds low-bit layers is
+# not replaced again — only the compute dtype is set:
+
+# %%
+nf4_model, report = lowbit.quantize_model(gpt.model, "nf4-dq", dtype=torch.float16, inputs=x,
+                                          ignore_modules={"head"})
+again, report_again = lowbit.quantize_model(nf4_model, "int8")
+print(nf4_model.blocks[0].mlp[0], "| head:", type(nf4_model.head).__name__)
+print(next(n for n in report_again.table().notes if "none replaced" in n))
 report
+
+# %% [markdown]
+# ## 7 · LLM.int8(): outlier features in 16 bits
+#
+# `int8` stores the weights in int8 (one scale per output row); `int8-training` keeps 16-bit
+# weights and quantizes them each forward. Both multiply **int8 activations** by int8 weights —
+# except for *outlier features*: a feature (input column) in which any value reaches the threshold
+# (6.0) goes a 16-bit path instead, because one huge value would otherwise flatten the int8 scale of
+# its whole row. Large language models grow a few such features; here is one made by hand:
+
+# %%
+g = torch.Generator().manual_seed(0)
+acts = torch.randn(16, 64, generator=g)
+acts[:, 7] *= 30
+lowbit.int8_split(acts, torch.randn(32, 64, generator=g) * 0.05)
+
+# %% [markdown]
+# And the activations entering our GPT's first MLP layer (small model, no outliers yet):
+
+# %%
+feats = {}
+hook = gpt.model.blocks[0].mlp[0].register_forward_pre_hook(lambda m, i: feats.update(x=i[0]))
+with torch.no_grad():
+    gpt.model(x)
+hook.remove()
+lowbit.int8_split(feats["x"].reshape(-1, feats["x"].shape[-1]), gpt.model.blocks[0].mlp[0].weight)
+
+# %% [markdown]
+# The `int8` report on a batch names, per layer, the input features that went the fp16 path:
+
+# %%
+lowbit.quantize_model(gpt.model, "int8", inputs=x)[1]
 
 # %% [markdown]
 # ### Exercise 2
 #
-# Quantize the same model with `"fp4"` and with `"int8"`. Which format keeps the weights best
-# (highest weight SQNR), and why does NF4 beat FP4 with the same 4 bits?
+# Lower the threshold of `int8_split` on the GPT's activations until some features go the 16-bit
+# path. How does the output SQNR change, and why is 16 bits for *every* feature not the answer?
 
 # %%
 # your code here
 
 # %% jupyter={"source_hidden": true} tags=["solution"]
-for name in ("fp4", "nf4", "int8"):
-    _, r = lowbit.quantize_model(gpt.model, name, inputs=x)
-    mean = sum(e.weight_sqnr_db for e in r.layers) / len(r.layers)
-    print(f"{name:5s} mean weight SQNR {mean:5.1f} dB")
-# int8 has 255 codes, so it is far ahead. With 16 codes each, NF4 puts them where normal
-# weights are dense (near 0), while FP4's codes crowd near 0 and leave big gaps near 1.
+for t in (6.0, 4.0, 3.0, 2.0):
+    split = lowbit.int8_split(feats["x"].reshape(-1, feats["x"].shape[-1]),
+                              gpt.model.blocks[0].mlp[0].weight, threshold=t)
+    print(f"threshold {t}: {len(split.outlier_features)} of {split.features} features in fp16, "
+          f"SQNR {split.sqnr_decomposed_db:.1f} dB")
+# Each feature moved to fp16 makes the int8 scales finer, but the fp16 path is the slow one:
+# LLM.int8() wins only because very few features (~0.1% in large models) need it.
+
+# %% [markdown]
+# ## 8 · 8-bit optimizer state
+#
+# Lightning's page suggests `bitsandbytes.optim.Adam8bit` for more memory savings: Adam keeps two
+# fp32 moments per parameter (8 bytes), 8-bit Adam stores each in the dynamic 8-bit map with one
+# fp32 absmax per block of 256 (about 2 bytes). Tensors under 4096 values keep fp32 state, and the
+# page advises keeping **embeddings'** state in 32 bits (bitsandbytes' `register_module_override`);
+# in ampnb: `lowbit.Adam8bit(lowbit.param_groups(model, (nn.Embedding,)))`. Three runs from the
+# same start on a wider GPT; the state is measured by ampnb's memory meter:
+
+# %%
+opt_runs = lowbit.compare_optimizers("gpt", steps=80, width=96, depth=1, n_head=4, batch_size=8,
+                                     seq_len=32)
+opt_runs
+
+# %%
+ax = plots.plot_optimizer_losses(opt_runs)
+ax.figure
+
+# %% [markdown]
+# The curves stay together while the state shrinks by almost 4×: the dynamic map keeps the
+# small second moments' relative precision, and block-wise scales keep one large gradient from
+# flattening the others.
 
 # %% [markdown]
 # ## What runs for real
@@ -298,6 +400,8 @@ for name in ("fp4", "nf4", "int8"):
 # * With Transformer Engine on a GPU of compute capability ≥ 8.9, the `"transformer-engine"`
 #   modes swap in TE's `Linear` / `LayerNorm` and run under `te.fp8_autocast` with the matching
 #   `DelayedScaling` recipe; `fp8.te_status()` says whether that is the case here.
-# * On CUDA with bitsandbytes installed, `lowbit.roundtrip` uses bitsandbytes' own 4-bit quantization.
+# * On CUDA with bitsandbytes installed, `lowbit.quantize_model` puts bitsandbytes' own
+#   `Linear4bit` / `Linear8bitLt` in place (the report says so), and `lowbit.roundtrip` uses its
+#   quantize/dequantize; everywhere else the emulation, which follows the same arithmetic.
 # * The emulation does the casts exactly (bit for bit like torch's float8 dtypes) and the matmul
-#   in fp32, so it shows the *accuracy* of FP8, not its speed.
+#   in fp32, so it shows the *accuracy* of FP8 and of low-bit weights, not their speed.

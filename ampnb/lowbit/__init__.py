@@ -1,4 +1,4 @@
-"""Weight-only low-bit formats (NF4, NF4 with double quantization, FP4, int8), emulated in torch."""
+"""bitsandbytes in torch: Lightning's six weight modes (nf4, nf4-dq, fp4, fp4-dq, int8, int8-training), 8-bit Adam."""
 
 from __future__ import annotations
 
@@ -20,5 +20,18 @@ _EXPORTS: dict[str, str] = {
     "LowBitReport": "ampnb.lowbit.model",
     "LayerError": "ampnb.lowbit.model",
     "sqnr": "ampnb.fp8.scaling",
+    "double_quant_saving": "ampnb.lowbit.formats",
+    "dynamic_map": "ampnb.lowbit.blockwise",
+    "quantize_blockwise": "ampnb.lowbit.blockwise",
+    "dequantize_blockwise": "ampnb.lowbit.blockwise",
+    "int8_vectorwise_quant": "ampnb.lowbit.int8",
+    "int8_split": "ampnb.lowbit.int8",
+    "Int8Split": "ampnb.lowbit.int8",
+    "Linear4bit": "ampnb.lowbit.layers",
+    "Linear8bitLt": "ampnb.lowbit.layers",
+    "Adam8bit": "ampnb.lowbit.optim",
+    "param_groups": "ampnb.lowbit.optim",
+    "compare_optimizers": "ampnb.lowbit.optim_compare",
+    "OptimizerComparison": "ampnb.lowbit.optim_compare",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -1,4 +1,9 @@
-"""Weight-only low-bit formats (bitsandbytes' nf4, nf4-dq, fp4, int8), emulated block-wise in torch."""
+"""bitsandbytes' weight formats as Lightning's `BitsandbytesPrecision` modes, emulated block-wise in torch.
+
+The six modes: nf4, nf4-dq, fp4, fp4-dq (4-bit codes, fp32 absmax per 64 weights; -dq stores the
+absmax in bitsandbytes' dynamic 8-bit map), int8 (LLM.int8: int8 weights, one fp32 scale per
+output row) and int8-training (16-bit weights, quantized to int8 on the fly each forward).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,15 @@ from functools import cache
 
 import torch
 
-from ampnb.formats import get_format, quantize
+from ampnb.lowbit.blockwise import absmax_scale, dequantize_blockwise, dynamic_map, nearest_index
 
 # QLoRA / bitsandbytes `create_normal_map`: the quantile that sets NF4's largest code.
 NF4_OFFSET = 0.9677083
+# bitsandbytes' int8 dequantization multiplies by this float32 reciprocal of 127.
+INV_127 = 7.874015718698502e-3
+# bitsandbytes/functional.py `get_4bit_type("fp4")`, in bit-pattern order (index = the 4-bit
+# code): sign bit, then 2 exponent + 1 mantissa bits; divided by its max (12) into [-1, 1].
+BNB_FP4 = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)
 
 
 @cache
@@ -26,10 +36,9 @@ def nf4_codebook() -> torch.Tensor:
 
 @cache
 def fp4_codebook() -> torch.Tensor:
-    """Every OCP FP4 (e2m1) value, from the format table, divided by its max into [-1, 1]."""
-    f = get_format("fp4_e2m1")
-    grid = torch.linspace(-f.max, f.max, 2 ** (f.bits + 6) + 1)
-    return torch.unique(quantize(grid, f)) / f.max
+    """bitsandbytes' FP4 (e2m1) values by code: the OCP e2m1 grid but for its subnormal, 0.0625/12."""
+    data = torch.tensor(BNB_FP4, dtype=torch.float32)
+    return data / data.abs().max()
 
 
 @cache
@@ -40,17 +49,27 @@ def int8_codebook() -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LowBitFormat:
-    """A block-wise absmax weight format: code bits, code book, block size, scale storage."""
+    """One of Lightning's bitsandbytes modes: code book, block size, scale storage, weight storage."""
 
     name: str
     code_bits: int
     blocksize: int | None  # None: one scale per output row (LLM.int8's vector-wise absmax)
     double_quant: bool = False
-    dq_blocksize: int = 256  # absmax values per second-level block (QLoRA)
+    dq_blocksize: int = 256  # absmax values per second-level block (bitsandbytes' quantize_4bit)
+    weight_bits: int | None = None  # int8-training keeps 16-bit weights; int8 is made per forward
     description: str = ""
 
+    @property
+    def quant_type(self) -> str:
+        """bitsandbytes' quant_type: 'nf4', 'fp4' or 'int8'."""
+        return self.name.split("-")[0]
+
+    @property
+    def is_4bit(self) -> bool:
+        return self.code_bits == 4
+
     def codebook(self) -> torch.Tensor:
-        return _CODEBOOKS[self.name.removesuffix("-dq")]()
+        return _CODEBOOKS[self.quant_type]()
 
     def n_blocks(self, shape: torch.Size | tuple[int, ...]) -> int:
         numel = math.prod(shape)
@@ -58,15 +77,19 @@ class LowBitFormat:
             return shape[0] if len(shape) > 1 else 1
         return math.ceil(numel / self.blocksize)
 
-    def bits_per_param(self, shape: torch.Size | tuple[int, ...]) -> float:
-        """Storage bits per weight, scales included (fp32 absmax, or 8-bit + fp32 when double)."""
-        numel, blocks = math.prod(shape), self.n_blocks(shape)
+    def scale_bits(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """Bits of scales stored per tensor: fp32 absmax, or 8-bit absmax + fp32 absmax2 + fp32 offset."""
+        blocks = self.n_blocks(shape)
         if self.double_quant:
-            # 8-bit absmax per block, an fp32 scale per dq block, and one fp32 mean offset.
-            scale_bits = 8 * blocks + 32 * math.ceil(blocks / self.dq_blocksize) + 32
-        else:
-            scale_bits = 32 * blocks
-        return (self.code_bits * numel + scale_bits) / numel
+            return 8 * blocks + 32 * math.ceil(blocks / self.dq_blocksize) + 32
+        return 32 * blocks
+
+    def bits_per_param(self, shape: torch.Size | tuple[int, ...]) -> float:
+        """Storage bits per weight, scales included (code tables are shared, not counted)."""
+        numel = math.prod(shape)
+        if self.weight_bits is not None:
+            return float(self.weight_bits)
+        return (self.code_bits * numel + self.scale_bits(shape)) / numel
 
 
 _CODEBOOKS = {"nf4": nf4_codebook, "fp4": fp4_codebook, "int8": int8_codebook}
@@ -74,19 +97,29 @@ _CODEBOOKS = {"nf4": nf4_codebook, "fp4": fp4_codebook, "int8": int8_codebook}
 LOWBIT_FORMATS: dict[str, LowBitFormat] = {f.name: f for f in (
     LowBitFormat("nf4", 4, 64, description="4-bit NormalFloat, fp32 absmax per 64 weights"),
     LowBitFormat("nf4-dq", 4, 64, double_quant=True,
-                 description="NF4 with the absmax scales themselves quantized to 8 bits (QLoRA)"),
-    LowBitFormat("fp4", 4, 64, description="4-bit float (OCP e2m1), fp32 absmax per 64 weights"),
-    LowBitFormat("int8", 8, None, description="int8 absmax, one fp32 scale per output row"),
+                 description="NF4, absmax in bitsandbytes' dynamic 8-bit map per 256 (QLoRA)"),
+    LowBitFormat("fp4", 4, 64, description="bitsandbytes' 4-bit float (e2m1), fp32 absmax per 64"),
+    LowBitFormat("fp4-dq", 4, 64, double_quant=True,
+                 description="FP4, absmax in bitsandbytes' dynamic 8-bit map per 256"),
+    LowBitFormat("int8", 8, None,
+                 description="LLM.int8(): int8 weights, one fp32 scale per row, fp16 outliers"),
+    LowBitFormat("int8-training", 8, None, weight_bits=16,
+                 description="16-bit weights, int8 matmul made each forward, fp16 outliers"),
 )}
 
 
 def get_lowbit(fmt: str | LowBitFormat) -> LowBitFormat:
-    """Look a weight format up by name."""
+    """Look a mode (weight format) up by name."""
     if isinstance(fmt, LowBitFormat):
         return fmt
     if isinstance(fmt, str) and fmt.strip().lower() in LOWBIT_FORMATS:
         return LOWBIT_FORMATS[fmt.strip().lower()]
     raise ValueError(f"unknown low-bit format {fmt!r}; allowed: {', '.join(LOWBIT_FORMATS)}")
+
+
+def double_quant_saving(blocksize: int = 64, dq_blocksize: int = 256) -> float:
+    """Bits per parameter double quantization saves: 32/64 - (8/64 + 32/(64*256)) ≈ 0.373."""
+    return 32 / blocksize - (8 / blocksize + 32 / (blocksize * dq_blocksize))
 
 
 def _blocks(w: torch.Tensor, fmt: LowBitFormat) -> torch.Tensor:
@@ -104,67 +137,95 @@ def block_normalized(w: torch.Tensor, fmt: str | LowBitFormat) -> torch.Tensor:
     return (blocks / torch.where(absmax > 0, absmax, torch.ones_like(absmax))).reshape(-1)
 
 
-def _double_quantize(absmax: torch.Tensor, dq_blocksize: int) -> torch.Tensor:
-    """absmax after QLoRA-style double quantization: mean removed, int8 absmax per dq block."""
+@dataclass(frozen=True)
+class DoubleQuant:
+    """The absmax as nf4-dq / fp4-dq store it: uint8 codes, fp32 absmax per 256, one fp32 offset."""
+
+    codes: torch.Tensor
+    absmax2: torch.Tensor
+    offset: torch.Tensor
+    blocksize: int
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_blockwise(self.codes, self.absmax2, dynamic_map(True), self.blocksize) + self.offset
+
+
+def double_quantize(absmax: torch.Tensor, dq_blocksize: int = 256) -> DoubleQuant:
+    """bitsandbytes' `compress_statistics`: mean removed, then the signed dynamic map per 256 values."""
     offset = absmax.mean()
     centred = absmax - offset
-    pad = (-centred.numel()) % dq_blocksize
-    blocks = torch.cat([centred, centred.new_zeros(pad)]).reshape(-1, dq_blocksize)
-    s2 = blocks.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    back = torch.round(blocks / s2 * 127) * s2 / 127
-    return back.reshape(-1)[: absmax.numel()] + offset
+    a2, scaled = absmax_scale(centred, dq_blocksize)
+    codes = nearest_index(scaled, dynamic_map(True)).to(torch.uint8)
+    return DoubleQuant(codes, a2, offset, dq_blocksize)
 
 
 def nearest_code(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest code book value for each x (x already divided by its absmax)."""
-    midpoints = (codebook[1:] + codebook[:-1]) / 2
-    return torch.bucketize(x.contiguous(), midpoints.to(x.device))
+    """Index of the nearest code book value for each x (first index on ties, like argmin)."""
+    return nearest_index(x, codebook.to(x.device))
 
 
 @dataclass(frozen=True)
 class Quantized:
-    """A weight in a low-bit format: code indices, the scales used, and how to get it back."""
+    """A weight in a low-bit format: codes, the scales used, and how to get it back."""
 
     fmt: LowBitFormat
-    codes: torch.Tensor   # uint8 index into the code book, one per weight (block layout)
-    absmax: torch.Tensor  # per-block scale as stored (after double quantization when on)
+    codes: torch.Tensor   # 4-bit: uint8 index into the code book (flat); int8: the int8 weight
+    absmax: torch.Tensor  # per-block (per-row) scale as used, after double quantization when on
     shape: torch.Size
     dtype: torch.dtype
+    dq: DoubleQuant | None = None
 
-    def dequantize(self) -> torch.Tensor:
-        values = self.fmt.codebook().to(self.absmax.device)[self.codes.long()]
-        flat = (values * self.absmax[:, None]).reshape(-1)[: math.prod(self.shape)]
-        return flat.reshape(self.shape).to(self.dtype)
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight back, computed in fp32 (as bitsandbytes does), in `dtype` (default: w's)."""
+        if self.fmt.is_4bit:
+            values = self.fmt.codebook().to(self.codes.device)[self.codes.long()]
+            n = math.prod(self.shape)
+            flat = torch.cat([values, values.new_zeros((-n) % self.fmt.blocksize)])
+            out = (flat.reshape(-1, self.fmt.blocksize) * self.absmax[:, None]).reshape(-1)[:n]
+        else:
+            out = self.codes.float() * self.absmax[:, None] * INV_127
+        return out.reshape(self.shape).to(dtype or self.dtype)
 
     @property
     def bits_per_param(self) -> float:
         return self.fmt.bits_per_param(self.shape)
 
 
+def int8_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' `int8_vectorwise_quant` without outliers: (int8 rows, fp32 absmax per row)."""
+    rows = w.reshape(w.shape[0], -1) if w.dim() > 1 else w.reshape(1, -1)
+    stats = rows.abs().amax(dim=1).float()
+    # An all-zero row (a ReLU output, say) gives 0/0 in bitsandbytes' formula: codes 0, explicitly.
+    scale = torch.where(stats > 0, 127.0 / stats, torch.zeros_like(stats))
+    return torch.round(rows * scale[:, None]).to(torch.int8), stats
+
+
 def quantize_weight(w: torch.Tensor, fmt: str | LowBitFormat) -> Quantized:
-    """Block-wise absmax quantization of a weight into a low-bit format."""
+    """Quantize a weight as bitsandbytes does: block absmax, x * (1/absmax), nearest code."""
     f = get_lowbit(fmt)
-    blocks = _blocks(w.detach().float(), f)
-    absmax = blocks.abs().amax(dim=1)
-    if f.double_quant:
-        absmax = _double_quantize(absmax, f.dq_blocksize)
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    codes = nearest_code(blocks / safe[:, None], f.codebook()).to(torch.uint8)
-    return Quantized(f, codes, absmax, w.shape, w.dtype)
+    w = w.detach()
+    if not f.is_4bit:
+        codes, stats = int8_rowwise(w.float())
+        return Quantized(f, codes, stats, w.shape, w.dtype)
+    absmax, scaled = absmax_scale(w.reshape(-1), f.blocksize)
+    codes = nearest_code(scaled, f.codebook()).to(torch.uint8)
+    dq = double_quantize(absmax, f.dq_blocksize) if f.double_quant else None
+    return Quantized(f, codes, absmax if dq is None else dq.dequantize(), w.shape, w.dtype, dq)
 
 
 def _bnb_roundtrip(w: torch.Tensor, f: LowBitFormat) -> torch.Tensor | None:
-    """bitsandbytes' own 4-bit quantize + dequantize, when it is installed and w is on CUDA."""
-    # Only NF4: bitsandbytes' "fp4" has its own code book, not the OCP e2m1 grid used here.
-    if not (w.is_cuda and f.name.startswith("nf4")):
+    """bitsandbytes' own quantize + dequantize, when it is installed and w is on CUDA."""
+    if not w.is_cuda:
         return None
     try:
         import bitsandbytes.functional as bnbf
     except ImportError:
         return None
+    if not f.is_4bit:
+        codes, stats, _ = bnbf.int8_vectorwise_quant(w.detach().reshape(w.shape[0], -1).half())
+        return bnbf.int8_vectorwise_dequant(codes, stats).reshape(w.shape).to(w.dtype)
     q, state = bnbf.quantize_4bit(w.detach(), blocksize=f.blocksize,
-                                  compress_statistics=f.double_quant,
-                                  quant_type=f.name.removesuffix("-dq"))
+                                  compress_statistics=f.double_quant, quant_type=f.quant_type)
     return bnbf.dequantize_4bit(q, state).to(w.dtype)
 
 
