@@ -48,12 +48,15 @@ class Payload:
 
 
 def split_cell(source: str) -> tuple[str, str | None]:
-    """(statements, last expression or None) of a cell's Python source."""
+    """(statements, last expression or None) of a cell, each keeping the cell's line numbers."""
     tree = ast.parse(source)
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = tree.body.pop()
-        return ast.unparse(tree) if tree.body else "", ast.unparse(last)
-    return source, None
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return source, None
+    last = tree.body[-1]
+    lines = source.splitlines(keepends=True)
+    head = lines[last.lineno - 1].encode()[:last.col_offset].decode()  # `a = 1; a`
+    body = "".join(lines[:last.lineno - 1]) + head
+    return body, "\n" * (last.lineno - 1) + (ast.get_source_segment(source, last) or "None")
 
 
 def _loaded_names(code: types.CodeType) -> set[str]:
@@ -120,14 +123,19 @@ def _dumps(value: Any) -> tuple[bytes, list[Any]]:
 
 
 def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
-         mode: str | None = None, extra: dict[str, Any] | None = None) -> Payload:
-    """The payload for a cell that may use names from ns (ValueError: a name cannot be sent)."""
-    cell = body + ("\n" + last if last else "")
+         mode: str | None = None, extra: dict[str, Any] | None = None,
+         source: str | None = None) -> Payload:
+    """The payload for a cell that may use names from ns (ValueError: a name cannot be sent).
+
+    `source` is the cell's whole text (for its tracebacks' lines); `extra` names are sent
+    whatever their name.
+    """
+    cell = body + ("\n" + last.lstrip("\n") if last else "")
     wanted = _loaded_names(compile(cell, filename, "exec")) | set(extra or ())
     optional = _stored_names(cell)  # bound by the cell itself: sent if possible, else skipped
     ns = {**ns, **(extra or {})}
     items: list[Item] = []
-    files = {filename: cell}
+    files = {filename: source if source is not None else cell}
     done: set[str] = set()
 
     def visit(name: str, value: Any) -> None:

@@ -49,7 +49,15 @@ def _inputs(grads: torch.Tensor, fmt: str, divisor: torch.Tensor) -> torch.Tenso
 def ring(grads: torch.Tensor, fmt: str, ranks: list[int], pre_divide: bool = False,
          mean: bool = True) -> torch.Tensor:
     """[len(ranks), P]: the mean (or sum) over the first N ranks for each N, rank after rank."""
-    divisor = torch.tensor([float(n) if pre_divide else 1.0 for n in ranks])
+    if not pre_divide:  # one chain: the sum over N ranks is a prefix of the sum over more
+        xs = _round(grads[:max(ranks)].float(), fmt)
+        acc, sums = xs[0], {1: xs[0]}
+        for i in range(1, max(ranks)):
+            acc = _round(acc + xs[i], fmt)
+            if i + 1 in ranks:
+                sums[i + 1] = acc
+        return _finish(torch.stack([sums[n] for n in ranks]), fmt, ranks, pre_divide, mean)
+    divisor = torch.tensor([float(n) for n in ranks])
     acc = _inputs(grads[:1], fmt, divisor)[0]
     for start in range(1, max(ranks), 256):  # inputs rounded in blocks: one quantize per step
         block = _inputs(grads[start:start + 256], fmt, divisor)
@@ -62,6 +70,15 @@ def ring(grads: torch.Tensor, fmt: str, ranks: list[int], pre_divide: bool = Fal
 def tree(grads: torch.Tensor, fmt: str, ranks: list[int], pre_divide: bool = False,
          mean: bool = True) -> torch.Tensor:
     """[len(ranks), P]: the mean (or sum) over the first N ranks for each N, pairs level by level."""
+    if not pre_divide and all(n & (n - 1) == 0 for n in ranks):
+        # One tree over the most ranks: its first node at level k is the tree over 2**k ranks.
+        x, sums = _round(grads[:max(ranks)].float(), fmt), {}
+        while True:
+            sums[max(ranks) // len(x)] = x[0]
+            if len(x) == 1:
+                break
+            x = _round(x[0::2] + x[1::2], fmt)
+        return _finish(torch.stack([sums[n] for n in ranks]), fmt, ranks, pre_divide, mean)
     rows = []
     for n in ranks:
         divisor = torch.tensor([float(n) if pre_divide else 1.0])

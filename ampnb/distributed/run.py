@@ -40,7 +40,8 @@ def run_distributed(work: Callable[..., Any] | str, nproc: int = 2, *, device: s
     mode_name = None if mode is None else get_mode(mode).name
     if isinstance(work, str):
         body, last = split_cell(work)
-        payload = pack(body, last, "<run_distributed>", dict(namespace or {}), mode_name)
+        payload = pack(body, last, "<run_distributed>", dict(namespace or {}), mode_name,
+                       source=work)
     elif callable(work):
         ns = {**(namespace or {}), "__fn__": work, "__kw__": kwargs}
         payload = pack("", _call_source(work, kwargs), "<run_distributed>", ns, mode_name,
