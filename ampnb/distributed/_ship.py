@@ -76,19 +76,28 @@ def _from_notebook(obj: Any) -> bool:
     return isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__"
 
 
+def _cell_files(cls: type) -> list[str]:
+    """Where a class may be defined: its methods' files, else cells (newest first)."""
+    files = [code.co_filename for value in vars(cls).values()
+             if (code := getattr(getattr(value, "__func__", value), "__code__", None)) is not None]
+    cells = [name for name, entry in reversed(list(linecache.cache.items()))
+             if len(entry) == 4 and entry[1] is None]  # IPython's cells: no file behind them
+    return list(dict.fromkeys(files + cells))
+
+
 def _class_source(cls: type) -> tuple[str, int, str]:
     """(file, first line, source) of a class defined in a cell (inspect cannot find it on 3.11)."""
-    for value in vars(cls).values():
-        code = getattr(getattr(value, "__func__", value), "__code__", None)
-        if code is None:
+    for path in _cell_files(cls):
+        text = "".join(linecache.getlines(path))
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
             continue
-        text = "".join(linecache.getlines(code.co_filename))
-        for node in ast.walk(ast.parse(text)) if text else ():
-            if isinstance(node, ast.ClassDef) and node.name == cls.__name__ \
-                    and node.lineno <= code.co_firstlineno <= (node.end_lineno or 0):
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
                 start = min([node.lineno] + [d.lineno for d in node.decorator_list])
                 lines = text.splitlines(keepends=True)[start - 1:node.end_lineno]
-                return code.co_filename, start, "".join(lines)
+                return path, start, "".join(lines)
     raise OSError("its source is not available")
 
 
