@@ -10,7 +10,7 @@ from torch import nn
 
 from ampnb.display import Table, TableView, dtype_name
 from ampnb.distributed import _demo
-from ampnb.distributed.run import run_distributed
+from ampnb.distributed._plan import Plan, run_plan
 
 MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
@@ -62,10 +62,14 @@ class DdpDtypes(TableView):
                             "true modes reduce in the parameter dtype",))
 
 
+def dtypes_plan(modes: tuple[str, ...] = MODES) -> Plan:
+    """One DDP step per mode; the dtypes on rank 0."""
+    return Plan(_dtype_rows, lambda values: DdpDtypes(tuple(values[0])), {"modes": tuple(modes)})
+
+
 def ddp_dtypes(nproc: int = 2, modes: tuple[str, ...] = MODES, device: str = "cpu") -> DdpDtypes:
     """One DDP step per mode on nproc ranks; the dtypes on rank 0."""
-    run = run_distributed(_dtype_rows, nproc, device=device, show_output=False, modes=tuple(modes))
-    return DdpDtypes(tuple(run.values[0]))
+    return run_plan(dtypes_plan(modes), nproc, device)
 
 
 def _scaler_rows(rank: int, world_size: int, device: torch.device, steps: int, inject_step: int,
@@ -124,16 +128,21 @@ class ScalerAcrossRanks(TableView):
                             "scaler finds it",))
 
 
-def ddp_scaler(nproc: int = 2, steps: int = 4, inject_step: int = 1, inject_rank: int = 1,
-               device: str = "cpu") -> ScalerAcrossRanks:
+def scaler_plan(nproc: int = 2, steps: int = 4, inject_step: int = 1, inject_rank: int = 1) -> Plan:
     """16-mixed DDP with torch.amp.GradScaler, an inf injected on one rank only."""
     if not 0 <= inject_rank < nproc or not 0 <= inject_step < steps:
         raise ValueError(f"inject_rank must be in [0, {nproc}) and inject_step in [0, {steps}), "
                          f"got {inject_rank}, {inject_step}")
-    run = run_distributed(_scaler_rows, nproc, device=device, show_output=False, steps=steps,
-                          inject_step=inject_step, inject_rank=inject_rank)
-    return ScalerAcrossRanks(tuple(row for rows in run.values for row in rows), inject_step,
-                             inject_rank)
+    return Plan(_scaler_rows,
+                lambda values: ScalerAcrossRanks(tuple(r for rows in values for r in rows),
+                                                 inject_step, inject_rank),
+                {"steps": steps, "inject_step": inject_step, "inject_rank": inject_rank})
+
+
+def ddp_scaler(nproc: int = 2, steps: int = 4, inject_step: int = 1, inject_rank: int = 1,
+               device: str = "cpu") -> ScalerAcrossRanks:
+    """16-mixed DDP with torch.amp.GradScaler, an inf injected on one rank only."""
+    return run_plan(scaler_plan(nproc, steps, inject_step, inject_rank), nproc, device)
 
 
 def _train(rank: int, world_size: int, device: torch.device, steps: int) -> dict[str, torch.Tensor]:
@@ -186,11 +195,19 @@ class DdpVsSingle(TableView):
                             f"{'yes' if self.ranks_identical else 'NO'}",))
 
 
-def ddp_vs_single(nproc: int = 2, steps: int = 3, device: str = "cpu") -> DdpVsSingle:
-    """Train with DDP (32-true) on nproc ranks and in one process; compare the weights."""
-    run = run_distributed(_train, nproc, device=device, show_output=False, steps=steps)
+def _vs_single(values: tuple[dict[str, torch.Tensor], ...], steps: int) -> DdpVsSingle:
     ref = single_process(steps)
     rows = tuple((name, r, float((sd[name].float() - ref[name]).abs().max()))
-                 for r, sd in enumerate(run.values) for name in ref)
-    same = all(torch.equal(sd[n], run.values[0][n]) for sd in run.values for n in ref)
-    return DdpVsSingle(rows, steps, nproc, same)
+                 for r, sd in enumerate(values) for name in ref)
+    same = all(torch.equal(sd[n], values[0][n]) for sd in values for n in ref)
+    return DdpVsSingle(rows, steps, len(values), same)
+
+
+def vs_single_plan(steps: int = 3) -> Plan:
+    """Train with DDP (32-true) on the ranks and in this process; compare the weights."""
+    return Plan(_train, lambda values: _vs_single(values, steps), {"steps": steps})
+
+
+def ddp_vs_single(nproc: int = 2, steps: int = 3, device: str = "cpu") -> DdpVsSingle:
+    """Train with DDP (32-true) on nproc ranks and in one process; compare the weights."""
+    return run_plan(vs_single_plan(steps), nproc, device)

@@ -11,7 +11,7 @@ from torch import nn
 
 from ampnb.display import Table, TableView, dtype_name, format_bytes
 from ampnb.distributed import _demo
-from ampnb.distributed.run import run_distributed
+from ampnb.distributed._plan import Plan, run_plan
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -133,17 +133,22 @@ class FsdpPolicy(TableView):
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
 
 
-def fsdp_policy(param_dtype: str | None = "bf16", reduce_dtype: str | None = "fp32",
-                output_dtype: str | None = None, nproc: int = 2, device: str = "cpu") -> FsdpPolicy:
-    """One AdamW step of the demo MLP under FSDP2 with this policy on nproc ranks."""
+def policy_plan(param_dtype: str | None = "bf16", reduce_dtype: str | None = "fp32",
+                output_dtype: str | None = None) -> Plan:
+    """One AdamW step of the demo MLP under FSDP2 with this MixedPrecisionPolicy."""
     bad = [v for v in (param_dtype, reduce_dtype, output_dtype) if v not in _DTYPES]
     if bad:
         raise ValueError(f"dtypes must be one of fp32, bf16, fp16 or None, got {bad[0]!r}")
     policy = {"param_dtype": _DTYPES[param_dtype], "reduce_dtype": _DTYPES[reduce_dtype],
               "output_dtype": _DTYPES[output_dtype]}
-    run = run_distributed(_policy_worker, nproc, device=device, show_output=False, policy=policy)
     shown = {k: str(v) for k, v in zip(policy, (param_dtype, reduce_dtype, output_dtype))}
-    return FsdpPolicy(shown, tuple(run.values))
+    return Plan(_policy_worker, lambda values: FsdpPolicy(shown, tuple(values)), {"policy": policy})
+
+
+def fsdp_policy(param_dtype: str | None = "bf16", reduce_dtype: str | None = "fp32",
+                output_dtype: str | None = None, nproc: int = 2, device: str = "cpu") -> FsdpPolicy:
+    """One AdamW step of the demo MLP under FSDP2 with this policy on nproc ranks."""
+    return run_plan(policy_plan(param_dtype, reduce_dtype, output_dtype), nproc, device)
 
 
 def _local_optimizer(net: nn.Module) -> torch.optim.Optimizer:
@@ -207,11 +212,16 @@ class FsdpScaler(TableView):
                             "DTensors, whose unscale_ reduces found_inf across the mesh",))
 
 
-def fsdp_scaler(nproc: int = 2, inject_rank: int = 1, device: str = "cpu") -> FsdpScaler:
-    """FSDP2 + fp16: torch.amp.GradScaler vs ShardedGradScaler with an inf in one rank's shard."""
+def scaler_plan(nproc: int = 2, inject_rank: int = 1) -> Plan:
+    """FSDP2 + fp16: the scalers with an inf in one rank's gradient shard."""
     if not 0 <= inject_rank < nproc:
         raise ValueError(f"inject_rank must be in [0, {nproc}), got {inject_rank}")
-    run = run_distributed(_scaler_worker, nproc, device=device, show_output=False,
-                          inject_rank=inject_rank)
-    return FsdpScaler(tuple(sorted((row for rows in run.values for row in rows),
-                                   key=lambda r: (SCALERS.index(r[0]), r[1]))))
+    return Plan(_scaler_worker,
+                lambda values: FsdpScaler(tuple(sorted((r for rows in values for r in rows),
+                                                       key=lambda r: (SCALERS.index(r[0]), r[1])))),
+                {"inject_rank": inject_rank})
+
+
+def fsdp_scaler(nproc: int = 2, inject_rank: int = 1, device: str = "cpu") -> FsdpScaler:
+    """FSDP2 + fp16: torch.amp.GradScaler vs ShardedGradScaler with an inf in one rank's shard."""
+    return run_plan(scaler_plan(nproc, inject_rank), nproc, device)

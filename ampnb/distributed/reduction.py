@@ -16,6 +16,7 @@ import torch
 
 from ampnb.display import Table, TableView
 from ampnb.distributed import _demo
+from ampnb.distributed._plan import Plan, run_plan
 from ampnb.formats import quantize
 
 ORDERS = ("ring", "tree")
@@ -197,15 +198,21 @@ class GlooCheck(TableView):
                      caption="2 ranks: the simulated ring sum vs torch.distributed.all_reduce (gloo)")
 
 
-def check_against_gloo(seed: int = 0) -> GlooCheck:
-    """Run the real gloo all-reduce on 2 ranks and compare it with the simulation, bit for bit."""
-    from ampnb.distributed.run import run_distributed
-
-    grads = rank_gradients(2, seed)
-    real = run_distributed(_gloo_worker, 2, device="cpu", show_output=False, grads=grads).values[0]
+def _gloo_check(values: tuple[dict[str, torch.Tensor], ...], grads: torch.Tensor) -> GlooCheck:
     rows = []
-    for fmt, got in real.items():
+    for fmt, got in values[0].items():
         sim = simulate_allreduce(grads, fmt, "ring", mean=False).to(got.dtype)
         bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
         rows.append((fmt, torch.equal(sim.view(bits), got.view(bits)), int((sim != got).sum())))
     return GlooCheck(tuple(rows))
+
+
+def gloo_plan(seed: int = 0) -> Plan:
+    """The real all-reduce of 2 ranks' demo gradients, to compare with the simulation."""
+    grads = rank_gradients(2, seed)
+    return Plan(_gloo_worker, lambda values: _gloo_check(values, grads), {"grads": grads})
+
+
+def check_against_gloo(seed: int = 0) -> GlooCheck:
+    """Run the real gloo all-reduce on 2 ranks and compare it with the simulation, bit for bit."""
+    return run_plan(gloo_plan(seed), 2, "cpu")
