@@ -33,9 +33,10 @@ _EXPORTS: dict[str, str] = {
     "compare": "ampnb.comparison",
     "doctor": "ampnb.doctor",
     "keep_fp32": "ampnb.selective",
+    "run_distributed": "ampnb.distributed",
 }
 _SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
-               "lowbit"}
+               "lowbit", "distributed"}
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES)
 

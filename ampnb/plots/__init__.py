@@ -17,5 +17,6 @@ _EXPORTS = {
     "plot_fp8_scaling": "ampnb.plots.fp8",
     "plot_lowbit_grid": "ampnb.plots.fp8",
     "plot_side_by_side": "ampnb.plots.fp8",
+    "plot_reduction_error": "ampnb.plots.reduction",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
