@@ -129,3 +129,10 @@ def test_the_ranks_import_this_ampnb():
     import ampnb.distributed.launcher as launcher
 
     assert Path(launcher._PACKAGE_ROOT, "ampnb", "__init__.py").exists()
+
+
+def test_a_cell_past_its_timeout_is_stopped_with_every_process():
+    run = run_distributed("import time\ntime.sleep(120)", 2, timeout=4, check=False,
+                          show_output=False)
+    assert not run.ok and {r.status for r in run.ranks} == {"timeout"}
+    assert wait_gone(list(run.pids)) == []

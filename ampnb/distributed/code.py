@@ -26,9 +26,11 @@ def _dt(dtype: torch.dtype) -> str:
     return f"torch.{str(dtype).removeprefix('torch.')}"
 
 
-def _step(mixed: bool, dtype: str, scaler: bool) -> list[str]:
+def _step(mixed: bool, dtype: str, scaler: bool, true: bool) -> list[str]:
     loss = "loss_fn(model(x), y)"
-    lines = ["for x, y in loader:  # each rank loads its own part (DistributedSampler)"]
+    cast = f"x.to(device, {dtype})" if true else "x.to(device)"
+    lines = ["for x, y in loader:  # each rank loads its own part (DistributedSampler)",
+             f"    x, y = {cast}, y.to(device)" + ("  # inputs in the parameters' dtype" if true else "")]
     if mixed:
         lines += [f"    with torch.autocast(device.type, dtype={dtype}):",
                   f"        loss = {loss}"]
@@ -74,7 +76,7 @@ def torch_code(strategy: str, mode: str) -> str:
         lines += ["scaler = torch.amp.GradScaler(device.type)  # FSDP2's DTensor gradients "
                   "agree on found_inf; FSDP1 needs ShardedGradScaler" if strategy == "fsdp"
                   else "scaler = torch.amp.GradScaler(device.type)"]
-    lines += ["", *_step(autocast, dtype, m.uses_scaler), "", "dist.destroy_process_group()"]
+    lines += ["", *_step(autocast, dtype, m.uses_scaler, true), "", "dist.destroy_process_group()"]
     return "\n".join(lines)
 
 

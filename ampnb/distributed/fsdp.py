@@ -113,7 +113,7 @@ class FsdpPolicy(TableView):
         rows = [(label, *(format_bytes(r[k]) for r in self.ranks)) for label, k in keys]
         return Table(("memory", *(f"rank {i}" for i in range(len(self.ranks)))), rows,
                      caption=f"measured on {len(self.ranks)} ranks",
-                     notes=("an unit's unsharded copy lives from its all-gather to its reshard: "
+                     notes=("a unit's unsharded copy lives from its all-gather to its reshard: "
                             "the largest unit bounds it when units reshard after forward",))
 
     def projected(self, ranks: tuple[int, ...] = (1, 8, 64, 1024, 8192)) -> Table:
