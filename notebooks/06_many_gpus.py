@@ -194,7 +194,7 @@ print(results["gloo"])
 from ampnb.distributed import reduction_error
 from ampnb.plots import plot_reduction_error
 
-sweep = reduction_error(max_ranks=4096)
+sweep = reduction_error(max_ranks=2048)
 plot_reduction_error(sweep).figure
 
 # %%
