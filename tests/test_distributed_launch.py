@@ -49,7 +49,11 @@ def test_a_failing_rank_shows_its_traceback_and_every_process_ends(ip):
     assert isinstance(error, RankFailed)
     assert "ValueError: bad rank" in error.run.ranks[1].error
     assert "raise ValueError('bad rank')" in error.run.ranks[1].error  # the cell's own line
-    assert "--- rank 1" in out.stdout + out.stderr
+    shown = out.stdout + out.stderr
+    assert "--- rank 1 (failed) ---" in shown  # the cause comes first, without "after"
+    assert str(error).startswith("rank 1: ValueError: bad rank")
+    if error.run.ranks[0].status == "failed":  # rank 0 saw its peer go (or was stopped first)
+        assert shown.index("--- rank 1") < shown.index("--- rank 0 (failed, after rank 1 failed)")
     assert error.run.ranks[1].status == "failed"
     assert wait_gone(list(error.run.pids)) == []
 

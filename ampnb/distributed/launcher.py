@@ -33,6 +33,7 @@ class RankResult:
     value: Any
     error: str | None
     status: str  # 'ok', 'failed', 'stopped' (ended by the launcher), 'timeout'
+    failed_at: float | None = None  # time.monotonic() on the rank when it failed
 
 
 @dataclass(frozen=True, repr=False)
@@ -71,20 +72,27 @@ class RankFailed(RuntimeError):
     """One or more ranks failed or ran out of time; IPython shows each rank's traceback."""
 
     def __init__(self, run: DistributedRun) -> None:
-        bad = [r for r in run.ranks if r.status in ("failed", "timeout")]
+        bad = _first_failure_first(run.ranks)
         what = "; ".join(f"rank {r.rank}: {_last_line(r.error or r.status)}" for r in bad)
         super().__init__(what or "the ranks did not finish")
         self.run = run
 
     def _render_traceback_(self) -> list[str]:
         lines = []
-        for r in self.run.ranks:
-            if r.error:
-                lines += [f"--- rank {r.rank} ({r.status}) ---", *r.error.rstrip().splitlines()]
+        bad = _first_failure_first(self.run.ranks)
+        for r in bad:
+            after = f", after rank {bad[0].rank} failed" if r is not bad[0] and bad[0].failed_at else ""
+            lines += [f"--- rank {r.rank} ({r.status}{after}) ---", *r.error.rstrip().splitlines()]
         stopped = [str(r.rank) for r in self.run.ranks if r.status == "stopped"]
         if stopped:
             lines.append(f"rank(s) {', '.join(stopped)} stopped by the launcher; every process ended")
         return lines
+
+
+def _first_failure_first(ranks: tuple[RankResult, ...]) -> list[RankResult]:
+    """The failed and timed-out ranks, the one that failed first (the likely cause) first."""
+    bad = [r for r in ranks if r.status in ("failed", "timeout") and r.error]
+    return sorted(bad, key=lambda r: (r.failed_at is None, r.failed_at or 0.0, r.rank))
 
 
 def _short(value: Any, width: int = 60) -> str:
@@ -176,7 +184,8 @@ def _collect(folder: Path, nproc: int, timed_out: bool) -> tuple[RankResult, ...
             results.append(RankResult(r, pids.get(r), output, None, error, status))
         else:
             status = "ok" if got["error"] is None else "failed"
-            results.append(RankResult(r, pids.get(r), output, got["value"], got["error"], status))
+            results.append(RankResult(r, pids.get(r), output, got["value"], got["error"], status,
+                                      got.get("failed_at")))
     return tuple(results)
 
 

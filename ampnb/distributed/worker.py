@@ -13,6 +13,7 @@ import datetime
 import os
 import pickle
 import sys
+import time
 import traceback
 import types
 from pathlib import Path
@@ -103,7 +104,8 @@ def main(job_dir: str) -> None:
                                 timeout=datetime.timedelta(seconds=job["timeout"]))
         result["value"] = _portable(_run(job, ns))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the notebook
-        result = {"value": None, "error": _user_traceback(e, job["payload"].files)}
+        result = {"value": None, "error": _user_traceback(e, job["payload"].files),
+                  "failed_at": time.monotonic()}  # one clock for all ranks: which failed first
     (folder / f"rank{rank}.tmp").write_bytes(pickle.dumps(result))
     os.replace(folder / f"rank{rank}.tmp", folder / f"rank{rank}.result")
     sys.stdout.flush()
