@@ -62,7 +62,7 @@ class DistributedRun(TableView):
                        for line in r.output.splitlines())
 
     def table(self) -> Table:
-        rows = [(r.rank, r.status, _short(r.value) if r.error is None else _last_line(r.error))
+        rows = [(r.rank, r.status, _short(r.value) if r.error is None else _clip(_last_line(r.error)))
                 for r in self.ranks]
         cap = f"{self.nproc} ranks on {self.device}" + (f" under {self.mode}" if self.mode else "")
         return Table(("rank", "status", "value / error"), rows, caption=cap)
@@ -95,9 +95,12 @@ def _first_failure_first(ranks: tuple[RankResult, ...]) -> list[RankResult]:
     return sorted(bad, key=lambda r: (r.failed_at is None, r.failed_at or 0.0, r.rank))
 
 
-def _short(value: Any, width: int = 60) -> str:
-    text = repr(value).replace("\n", " ")
+def _clip(text: str, width: int = 80) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _short(value: Any, width: int = 60) -> str:
+    return _clip(repr(value).replace("\n", " "), width)
 
 
 def _last_line(text: str) -> str:
