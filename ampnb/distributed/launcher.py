@@ -115,6 +115,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cores() -> int:
+    """The CPU cores this process may run on (a container's limit, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def check_nproc(nproc: Any, device: str) -> int:
     """nproc as an int within what the machine has (ValueError says what is allowed)."""
     kind = torch.device(device).type
@@ -123,7 +131,7 @@ def check_nproc(nproc: Any, device: str) -> int:
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("NCCL needs CUDA, which this machine lacks; --device cpu runs the "
                          "ranks with gloo")
-    most = torch.cuda.device_count() if kind == "cuda" else (os.cpu_count() or 1)
+    most = torch.cuda.device_count() if kind == "cuda" else _cores()
     unit = "GPUs" if kind == "cuda" else "CPU cores"
     if isinstance(nproc, bool) or not isinstance(nproc, int) or not 1 <= nproc <= most:
         raise ValueError(f"--nproc must be a whole number from 1 to {most} (the {unit} "
