@@ -37,9 +37,10 @@ _EXPORTS: dict[str, str] = {
     "keep_fp32": "ampnb.selective",
     "set_fp16_kernels": "ampnb.fp16_kernels",
     "emulated_fp16_kernels": "ampnb.fp16_kernels",
+    "run_distributed": "ampnb.distributed",
 }
 _SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
-               "lowbit"}
+               "lowbit", "distributed"}
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES)
 

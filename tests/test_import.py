@@ -92,9 +92,9 @@ def test_importing_the_core_probes_no_hardware():
 PUBLIC = {"FloatFormat", "FORMATS", "get_format", "quantize", "PrecisionMode", "MODES", "get_mode",
           "devices", "support", "support_table", "tf32", "set_tf32", "coverage", "capture",
           "trace_ops", "find_nonfinite", "memory_report", "Workbench", "ScalerStepper", "compare",
-          "doctor", "keep_fp32",
+          "doctor", "keep_fp32", "run_distributed",
           "formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
-          "lowbit"}
+          "lowbit", "distributed"}
 
 
 def test_every_public_name_is_listed_and_resolves():
@@ -105,7 +105,7 @@ def test_every_public_name_is_listed_and_resolves():
     """)
     assert PUBLIC <= set(found["all"]) and found["dir"] == found["all"]
     submodules = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
-                  "lowbit"}
+                  "lowbit", "distributed"}
     assert {n for n, kind in found["kinds"].items() if kind == "module"} == submodules
     with pytest.raises(AttributeError, match="module 'ampnb' has no attribute 'nope'"):
         ampnb.nope  # noqa: B018

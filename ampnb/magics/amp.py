@@ -14,7 +14,7 @@ from traitlets import Integer, TraitError, Unicode, validate
 from ampnb.magics import compare_cell, runs
 
 _CELL_ONLY = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "output", "doctor",
-              "profile", "fp16_kernels", "keep_fp32")
+              "profile", "fp16_kernels", "keep_fp32", "nproc")
 _ONE_RUN_ONLY = ("trace", "hunt", "memory", "show_code")
 
 
@@ -78,6 +78,9 @@ class AmpMagics(Magics):
               "every mode this machine can run; evidence and a recommendation (ampnb.doctor)")
     @argument("--profile", action="store_true", help="why each mode is (not) faster here, from "
               "torch.profiler: op time by dtype, casts, matmul sizes")
+    @argument("--nproc", type=int, metavar="N", help="run the cell on N local ranks (torch's "
+              "elastic launcher; gloo on CPU, NCCL on CUDA); the cell gets rank, world_size, "
+              "device and mode; output comes back labelled by rank")
     @argument("--measure", action="store_true", help="%%amp only: re-measure matmul throughput")
     @argument("-o", dest="output", metavar="NAME", help="store the result object in NAME")
     @argument("-q", "--quiet", action="store_true", help="print nothing")
@@ -135,6 +138,8 @@ class AmpMagics(Magics):
             raise UsageError("--measure belongs to %amp (a line); %%amp runs a cell")
         if args.output is not None and (not args.output.isidentifier() or keyword.iskeyword(args.output)):
             raise UsageError(f"-o needs a Python name to store the result in, got {args.output!r}")
+        if args.nproc is not None:
+            return self._nproc(args, cell)
         if args.doctor or args.profile:
             return self._diagnose(args, cell)
         if args.compare is None:
@@ -181,6 +186,19 @@ class AmpMagics(Magics):
             self.shell.user_ns[args.output] = result
         if not args.quiet:
             display(result)
+        return None
+
+    def _nproc(self, args: Any, cell: str) -> Any:
+        """--nproc N: the cell on N local ranks (ampnb.magics.nproc)."""
+        from ampnb.magics.nproc import check_options, nproc_cell
+
+        check_options(args, _flag)
+        s = self._settings(args)
+        run = nproc_cell(self.shell, cell, s.mode.name, s.device, args.nproc, quiet=args.quiet)
+        if args.output:
+            self.shell.user_ns[args.output] = run
+        if not args.quiet:
+            display(run)
         return None
 
     def _settings(self, args: Any) -> runs.Settings:

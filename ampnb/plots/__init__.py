@@ -18,5 +18,6 @@ _EXPORTS = {
     "plot_lowbit_grid": "ampnb.plots.fp8",
     "plot_side_by_side": "ampnb.plots.fp8",
     "plot_optimizer_losses": "ampnb.plots.lowbit",
+    "plot_reduction_error": "ampnb.plots.reduction",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

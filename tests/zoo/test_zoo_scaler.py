@@ -14,6 +14,7 @@ import torch
 from zoo_models import BUILDERS, Case
 
 from ampnb import _state
+from ampnb.fp16_kernels import emulated_fp16_kernels, emulates_fp16
 from ampnb.scaler import ScalerStepper
 
 ACCUM, CLIP, SEED = 2, 1.0, 1234
@@ -31,13 +32,16 @@ def plain_loop(case: Case, mode: str, steps: int, inject: tuple[int, int] | None
     for step in range(steps):
         for micro in range(ACCUM):
             context = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-            with context:
+            # fp16 products as ampnb runs them on this CPU (emulated where it has no fp16 units)
+            emulate = dtype == torch.float16 and emulates_fp16("cpu")
+            with emulated_fp16_kernels(emulate), context:
                 if case.loss_fn is None:
                     loss = model(**case.batch).loss / ACCUM
                 else:
                     x, y = case.batch
                     loss = case.loss_fn(model(x), y) / ACCUM
-            scaler.scale(loss).backward()
+            with emulated_fp16_kernels(emulate):
+                scaler.scale(loss).backward()
             if inject == (step, micro):
                 for p in model.parameters():
                     if p.grad is not None:

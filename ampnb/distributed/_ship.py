@@ -1,0 +1,203 @@
+"""What a cell needs from the notebook, packed to send to each rank (and unpacked there).
+
+Values go by pickle; modules by name; functions and classes defined in the notebook (which
+pickle cannot send: they live in the kernel's `__main__`) by their source, recompiled on the
+rank under their own file name and line numbers so that tracebacks show their lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import io
+import linecache
+import pickle
+import sys
+import textwrap
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+# Names every rank gets from the launcher, and the shell's own, never sent.
+INJECTED = frozenset({"rank", "world_size", "device", "mode"})
+_SHELL = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
+ALLOWED = ("picklable values (tensors, numbers, models of importable classes), modules, and "
+           "functions or classes defined with def/class in the notebook; build anything else "
+           "inside the cell")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One name for the rank: kind 'module' (data: module name), 'source' or 'pickle'."""
+
+    kind: str
+    name: str
+    data: Any
+
+
+@dataclass(frozen=True)
+class Payload:
+    """The cell (statements + last expression), what it needs, and the mode to run it under."""
+
+    body: str
+    last: str | None
+    filename: str
+    items: tuple[Item, ...] = ()
+    files: dict[str, str] = field(default_factory=dict)
+    mode: str | None = None
+
+
+def split_cell(source: str) -> tuple[str, str | None]:
+    """(statements, last expression or None) of a cell, each keeping the cell's line numbers."""
+    tree = ast.parse(source)
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return source, None
+    last = tree.body[-1]
+    lines = source.splitlines(keepends=True)
+    head = lines[last.lineno - 1].encode()[:last.col_offset].decode()  # `a = 1; a`
+    body = "".join(lines[:last.lineno - 1]) + head
+    return body, "\n" * (last.lineno - 1) + (ast.get_source_segment(source, last) or "None")
+
+
+def _loaded_names(code: types.CodeType) -> set[str]:
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _loaded_names(const)
+    return found
+
+
+def _stored_names(source: str) -> set[str]:
+    return {n.id for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+def _from_notebook(obj: Any) -> bool:
+    return isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__"
+
+
+def _cell_files(cls: type) -> list[str]:
+    """Where a class may be defined: its methods' files, else cells (newest first)."""
+    files = [code.co_filename for value in vars(cls).values()
+             if (code := getattr(getattr(value, "__func__", value), "__code__", None)) is not None]
+    cells = [name for name, entry in reversed(list(linecache.cache.items()))
+             if len(entry) == 4 and entry[1] is None]  # IPython's cells: no file behind them
+    return list(dict.fromkeys(files + cells))
+
+
+def _class_source(cls: type) -> tuple[str, int, str]:
+    """(file, first line, source) of a class defined in a cell (inspect cannot find it on 3.11)."""
+    for path in _cell_files(cls):
+        text = "".join(linecache.getlines(path))
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                lines = text.splitlines(keepends=True)[start - 1:node.end_lineno]
+                return path, start, "".join(lines)
+    raise OSError("its source is not available")
+
+
+def source_of(obj: Any) -> tuple[str, int, str]:
+    """(file, first line, dedented source) of a notebook function or class."""
+    if isinstance(obj, type):
+        return _class_source(obj)
+    if obj.__name__ == "<lambda>":
+        raise OSError("a lambda has no source of its own; define it with def")
+    lines, start = inspect.getsourcelines(obj)
+    return inspect.getsourcefile(obj) or obj.__code__.co_filename, max(start, 1), \
+        textwrap.dedent("".join(lines))
+
+
+class _Finder(pickle.Pickler):
+    """A pickler that notes the notebook functions and classes a value refers to."""
+
+    def __init__(self, buffer: io.BytesIO, found: list[Any]) -> None:
+        super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        self.found = found
+
+    def reducer_override(self, obj: Any) -> Any:
+        if _from_notebook(obj):
+            self.found.append(obj)
+        return NotImplemented
+
+
+def _dumps(value: Any) -> tuple[bytes, list[Any]]:
+    buffer, found = io.BytesIO(), []
+    _Finder(buffer, found).dump(value)
+    return buffer.getvalue(), found
+
+
+def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
+         mode: str | None = None, extra: dict[str, Any] | None = None,
+         source: str | None = None) -> Payload:
+    """The payload for a cell that may use names from ns (ValueError: a name cannot be sent).
+
+    `source` is the cell's whole text (for its tracebacks' lines); `extra` names are sent
+    whatever their name.
+    """
+    cell = body + ("\n" + last.lstrip("\n") if last else "")
+    wanted = _loaded_names(compile(cell, filename, "exec")) | set(extra or ())
+    optional = _stored_names(cell)  # bound by the cell itself: sent if possible, else skipped
+    ns = {**ns, **(extra or {})}
+    items: list[Item] = []
+    files = {filename: source if source is not None else cell}
+    done: set[str] = set()
+
+    def visit(name: str, value: Any) -> None:
+        if name in done:
+            return
+        done.add(name)
+        if isinstance(value, types.ModuleType):
+            items.append(Item("module", name, value.__name__))
+            return
+        try:
+            if _from_notebook(value):
+                path, start, src = source_of(value)
+                files.setdefault(path, "".join(linecache.getlines(path)) or src)
+                deps = _loaded_names(compile(src, path, "exec"))
+                for dep in sorted(deps - done):
+                    if dep in ns and _sendable_name(dep) and ns[dep] is not value:
+                        visit(dep, ns[dep])
+                items.append(Item("source", name, (path, start, src, value.__name__)))
+                return
+            data, found = _dumps(value)
+        except (pickle.PicklingError, TypeError, AttributeError, OSError, SyntaxError) as e:
+            if name in optional:
+                return
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"`{name}` ({type(value).__name__}) cannot be sent to the ranks "
+                             f"({reason}); a cell on --nproc ranks may use {ALLOWED}") from None
+        for obj in found:
+            if obj.__qualname__ == obj.__name__:
+                visit(obj.__name__, obj)
+        items.append(Item("pickle", name, data))
+
+    for name in sorted(wanted):
+        if name in ns and (name in (extra or {}) or _sendable_name(name)):
+            visit(name, ns[name])
+    return Payload(body, last, filename, tuple(items), files, mode)
+
+
+def _sendable_name(name: str) -> bool:
+    return not name.startswith("_") and name not in INJECTED and name not in _SHELL
+
+
+def unpack(payload: Payload, ns: dict[str, Any]) -> None:
+    """Rebuild the names in ns (a rank's `__main__` namespace), in the order they were packed."""
+    for path, text in payload.files.items():
+        lines = text.splitlines(keepends=True)
+        linecache.cache[path] = (len(text), None, lines, path)
+    for item in payload.items:
+        if item.kind == "module":
+            __import__(item.data)
+            ns[item.name] = sys.modules[item.data]
+        elif item.kind == "source":
+            path, start, src, defined = item.data
+            exec(compile("\n" * (start - 1) + src, path, "exec"), ns)
+            ns[item.name] = ns[defined]
+        else:
+            ns[item.name] = pickle.loads(item.data)

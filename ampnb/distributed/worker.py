@@ -1,0 +1,116 @@
+"""One rank: run the cell that the launcher sent, write its value or traceback to the job folder.
+
+Runs in a process started by torch's elastic agent (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+and MASTER_PORT are set). Output goes to `rank{r}.log` at the file-descriptor level, so C++
+warnings and output printed before a kill come back too.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import datetime
+import os
+import pickle
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ampnb._tree import map_tensors
+from ampnb.distributed._ship import unpack
+
+
+def _redirect(path: Path) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)
+
+
+def _user_traceback(error: BaseException, files: dict[str, str]) -> str:
+    """The traceback from the first frame of the cell (or of a function it sent) on."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename not in files:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb or error.__traceback__))
+
+
+def _portable(value: Any) -> Any:
+    """The value as the notebook can load it: tensors on the CPU; else its repr."""
+    try:
+        value = map_tensors(lambda t: t.detach().cpu(), value)
+        pickle.loads(pickle.dumps(value))
+        return value
+    except Exception:
+        return Unsent(repr(value))
+
+
+class Unsent(str):
+    """The repr of a value a rank returned that could not be sent back."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _run(job: Any, ns: dict[str, Any]) -> Any:
+    from ampnb.modes import get_mode
+
+    payload = job["payload"]
+    unpack(payload, ns)
+    with contextlib.ExitStack() as stack:
+        if payload.mode is not None:
+            mode = ns["mode"] = get_mode(payload.mode)
+            stack.enter_context(mode.module_init_context())
+            stack.enter_context(mode.forward_context(ns["device"].type))
+        exec(compile(payload.body, payload.filename, "exec"), ns)
+        if payload.last is None:
+            return None
+        return eval(compile(payload.last, payload.filename, "eval"), ns)
+
+
+def main(job_dir: str) -> None:
+    """Entry point of each rank (a function, so the agent can fork it without a new torch import)."""
+    folder = Path(job_dir)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    (folder / f"rank{rank}.pid").write_text(str(os.getpid()))
+    _redirect(folder / f"rank{rank}.log")
+    torch.set_num_threads(1)  # one thread per rank: ranks share the machine's cores
+    job = pickle.loads((folder / "job.pkl").read_bytes())
+    device = _device(job["device"], int(os.environ["LOCAL_RANK"]))
+    module = types.ModuleType("__main__")  # what was sent from the kernel's __main__ lands here
+    sys.modules["__main__"] = module
+    ns = module.__dict__
+    ns.update(__builtins__=builtins, rank=rank, world_size=world, device=device)
+    result: dict[str, Any] = {"value": None, "error": None}
+    try:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=job["timeout"]))
+        result["value"] = _portable(_run(job, ns))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the notebook
+        result = {"value": None, "error": _user_traceback(e, job["payload"].files),
+                  "failed_at": time.monotonic()}  # one clock for all ranks: which failed first
+    (folder / f"rank{rank}.tmp").write_bytes(pickle.dumps(result))
+    os.replace(folder / f"rank{rank}.tmp", folder / f"rank{rank}.result")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if result["error"] is not None:
+        os._exit(1)  # the agent then stops the other ranks (they may wait in a collective)
+    if dist.is_initialized():
+        dist.destroy_process_group()
