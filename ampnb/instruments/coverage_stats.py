@@ -22,14 +22,7 @@ from ampnb.instruments._bins import (  # noqa: F401
     FormatLike,
     _cut_points,
 )
-from ampnb.instruments._bitkeys import (
-    _levels,
-    _many_segments,
-    _one_segment,
-    _plan,
-    _value,
-    _value_counts,
-)
+from ampnb.instruments._bitkeys import _levels, _plan, _value, count_segments
 
 
 @dataclass(frozen=True, repr=False)
@@ -96,11 +89,7 @@ def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[
     if flat.dtype != torch.float32 or not all(lengths):
         return _bucketize_stats(flat, lengths, fmts)
     plan = _plan(fmts)
-    if len(lengths) == 1:
-        ge, ext = _one_segment(flat, plan)
-    else:
-        ge, ext = _many_segments(flat, lengths, plan)
-    g = _value_counts(flat, lengths, plan, ge)
+    g, ext = count_segments(flat, lengths, plan)
     lo, hi = _levels(plan, g.device)
     nv, out = plan.head, []  # the edges' counts are only needed as histogram differences
     rows = torch.cat([g[:, :nv], g[:, lo] - g[:, hi]], dim=1).tolist()
