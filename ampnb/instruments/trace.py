@@ -7,6 +7,8 @@ Stable API (PrecisionPanel and `%%amp --trace` use it):
     t.rows (list[OpRow], first `limit` ops in order); t.counts ({category: n}, all ops);
     t.select(op="addmm", module="body.*", category=None, phase=None) (globs) -> list[OpRow];
     t.table(limit=60) (Table, one line per distinct row + count); t.summary() (one line).
+    trace_ops(detail="summary"): counts only (t.grouped, t.counts, t.summary(), t.table());
+    no module paths (module is ""), no t.rows; several times cheaper than "full".
 
 OpRow (frozen): op (aten name, "addmm"), module (path from the outermost module that ran, which
 shows as its class name: "MLP", "body.0"; "" outside any), phase ("forward"/"backward"),
@@ -22,6 +24,7 @@ that node's `metadata`, left there).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import threading
 from collections import Counter
 from contextlib import ContextDecorator
@@ -93,6 +96,7 @@ class OpRow:
         return bool(self.cast_from)
 
 
+@functools.lru_cache(maxsize=4096)
 def category(op: str, inputs: tuple[str, ...], output: str, cast_from: tuple[str, ...]) -> str:
     """lowered / kept / promoted / cast / other, from the dtypes alone."""
     if not _is_float(output):
@@ -180,6 +184,36 @@ def _label(node: Any, path: str, walk: bool) -> None:
             todo.extend(f for f, _ in n.next_functions)
 
 
+def _op_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments: tensors, or lists of them (Tensor[]); an
+    op's schema allows nothing deeper, so the general container walker is not needed here
+    (it cost more than the rest of the tracer together)."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    return found
+
+
+_NAMES: dict[Any, str] = {}  # OpOverload -> "addmm"; dtype -> "bfloat16": both asked per op
+
+
+def _op_name(func: Any) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = func._schema.name.removeprefix("aten::")
+    return name
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
 def current_node_module() -> tuple[str, str]:
     """(phase, module) of the op running now: backward ops belong to the module of their node."""
     node = torch._C._current_autograd_node()
@@ -197,13 +231,15 @@ class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
     line event at a `with` on the way out, and an interrupt there skips __exit__).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, paths: bool = True) -> None:
         Guard.__init__(self, self._attach, self._detach)
         TorchDispatchMode.__init__(self)
         self.paths = ModulePaths()
+        self._with_paths = paths  # False: no module hooks, every op's module is ""
 
     def _attach(self) -> OpWatch:
-        self.paths.attach()
+        if self._with_paths:
+            self.paths.attach()
         try:
             TorchDispatchMode.__enter__(self)
         except BaseException:
@@ -220,6 +256,8 @@ class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
     def where(self) -> tuple[str, str]:
         """(phase, module) of the op being dispatched."""
         phase, module = current_node_module()
+        if not self._with_paths:
+            return phase, ""
         return phase, (self.paths.current if phase == "forward" else module)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -233,24 +271,41 @@ class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
         """Called after every op with its inputs and outputs."""
 
 
+DETAILS = ("full", "summary")
+
+
 class OpTrace(TableView, OpWatch):
     """`with trace_ops() as t:` records every op; t.rows, t.counts, t.table()."""
 
-    def __init__(self, limit: int = 100_000) -> None:
-        if not isinstance(limit, int) or limit < 0:
+    def __init__(self, limit: int = 100_000, detail: str = "full") -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"limit must be an int >= 0, got {limit!r}")
-        super().__init__()
-        self.limit = limit
+        if detail not in DETAILS:
+            raise ValueError(f"unknown trace detail {detail!r}; allowed: {', '.join(DETAILS)}")
+        super().__init__(paths=detail == "full")
+        self.detail = detail
+        self.limit = limit if detail == "full" else 0
         self.rows: list[OpRow] = []
-        self.grouped: Counter[OpRow] = Counter()
+        self._grouped: Counter[OpRow] = Counter()
+        self._fast: Counter[tuple] = Counter()  # detail="summary": OpRow fields, made on reading
         self._source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast tensor -> dtype before
 
+    @property
+    def grouped(self) -> Counter[OpRow]:
+        """How often each distinct row ran (all ops, also past `limit`)."""
+        if self._fast:
+            for key, n in self._fast.items():
+                self._grouped[OpRow(*key)] += n
+            self._fast.clear()
+        return self._grouped
+
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        ins = tensors((args, kwargs))
-        outs = tensors(out)
-        op = func._schema.name.removeprefix("aten::")
-        in_dt = tuple(dtype_name(t.dtype) for t in ins)
-        out_dt = dtype_name(outs[0].dtype) if outs else ""
+        ins = _op_tensors(args, kwargs)
+        outs = [out] if isinstance(out, torch.Tensor) else _op_tensors(
+            out if isinstance(out, (list, tuple)) else (), {})
+        op = _op_name(func)
+        in_dt = tuple(_dtype(t.dtype) for t in ins)
+        out_dt = _dtype(outs[0].dtype) if outs else ""
         cast_from = tuple(dict.fromkeys(self._source[t] for t in ins if t in self._source))
         if outs and ins:
             if func is _TO_COPY and ins[0].dtype != outs[0].dtype and ins[0].is_floating_point():
@@ -262,8 +317,11 @@ class OpTrace(TableView, OpWatch):
         else:
             cat = category(op, in_dt, out_dt, cast_from)
         phase, module = self.where()
+        if self.detail != "full":  # a tuple hashes faster than a frozen dataclass
+            self._fast[(op, module, phase, in_dt, out_dt, cast_from, cat)] += 1
+            return
         row = OpRow(op, module, phase, in_dt, out_dt, cast_from, cat)
-        self.grouped[row] += 1
+        self._grouped[row] += 1
         if len(self.rows) < self.limit:
             self.rows.append(row)
 
@@ -278,6 +336,9 @@ class OpTrace(TableView, OpWatch):
     def select(self, op: str = "*", module: str = "*", category: str | None = None,
                phase: str | None = None) -> list[OpRow]:
         """Rows whose op and module match glob patterns, optionally of one category/phase."""
+        if self.detail != "full":
+            raise ValueError("select needs each op's record: trace_ops(detail='full'); this "
+                             "trace kept counts only (t.grouped, t.counts, t.table())")
         if category is not None and category not in CATEGORIES:
             raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
         if phase not in (None, "forward", "backward"):
@@ -304,12 +365,13 @@ class OpTrace(TableView, OpWatch):
         notes = [self.summary()]
         if len(items) > limit:
             notes.append(f"showing {limit} of {len(items)} distinct rows (table(limit=...))")
-        if sum(self.grouped.values()) > len(self.rows):
+        if self.detail == "full" and sum(self.grouped.values()) > len(self.rows):
             notes.append(f"t.rows keeps the first {self.limit} ops; counts include all")
         return Table(("module", "op", "phase", "inputs", "output", "cast from", "category",
                       "count"), rows, caption="ops traced (dtype after autocast)", notes=notes)
 
 
-def trace_ops(limit: int = 100_000) -> OpTrace:
-    """`with trace_ops() as t:` records which op ran in which dtype, from which module."""
-    return OpTrace(limit)
+def trace_ops(limit: int = 100_000, detail: str = "full") -> OpTrace:
+    """`with trace_ops() as t:` records which op ran in which dtype, from which module
+    (detail="summary": counts per op and dtypes only, no module paths, no t.rows)."""
+    return OpTrace(limit, detail)

@@ -64,7 +64,9 @@ class AmpMagics(Magics):
     @argument("--compare", metavar="M1,M2", help="run the cell under 32-true and these modes "
               "from the same start; table of median time, speedup, memory and error")
     @argument("--repeat", "-r", type=int, help="timed runs per mode for --compare (default 5)")
-    @argument("--trace", action="store_true", help="table of which op ran in which dtype")
+    @argument("--trace", nargs="?", const="full", choices=("full", "summary"), metavar="full|summary",
+              help="table of which op ran in which dtype: per module (full, the default) or "
+              "counts per op only (summary: several times cheaper)")
     @argument("--hunt", action="store_true", help="report the first op that made inf/NaN")
     @argument("--memory", action="store_true", help="activation memory saved for backward")
     @argument("--show-code", action="store_true",
