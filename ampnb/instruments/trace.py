@@ -26,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import threading
+import weakref
 from collections import Counter
 from contextlib import ContextDecorator
 from dataclasses import dataclass
@@ -35,7 +36,6 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ampnb._interrupt import Guard
 from ampnb._tree import tensors
@@ -288,7 +288,20 @@ class OpTrace(TableView, OpWatch):
         self.rows: list[OpRow] = []
         self._grouped: Counter[OpRow] = Counter()
         self._fast: Counter[tuple] = Counter()  # detail="summary": OpRow fields, made on reading
-        self._source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast tensor -> dtype before
+        # cast tensor -> dtype before: id -> (weak ref, dtype); a dict lookup per input is the
+        # common case, and WeakIdKeyDictionary made a weak reference for every lookup.
+        self._source: dict[int, tuple[weakref.ref, str]] = {}
+
+    def _cast_mark(self, t: torch.Tensor) -> str | None:
+        seen = self._source.get(id(t))
+        return seen[1] if seen is not None and seen[0]() is t else None
+
+    def _mark(self, t: torch.Tensor, dtype: str) -> None:
+        key = id(t)
+        def forget(ref: weakref.ref, k: int = key, src: dict = self._source) -> None:
+            if src.get(k, (None,))[0] is ref:  # not a newer tensor that got the same id
+                del src[k]
+        self._source[key] = (weakref.ref(t, forget), dtype)
 
     @property
     def grouped(self) -> Counter[OpRow]:
@@ -306,17 +319,22 @@ class OpTrace(TableView, OpWatch):
         op = _op_name(func)
         in_dt = tuple(_dtype(t.dtype) for t in ins)
         out_dt = _dtype(outs[0].dtype) if outs else ""
-        cast_from = tuple(dict.fromkeys(self._source[t] for t in ins if t in self._source))
+        marks = [self._cast_mark(t) for t in ins] if self._source else []
+        cast_from = tuple(dict.fromkeys(m for m in marks if m))
         if outs and ins:
             if func is _TO_COPY and ins[0].dtype != outs[0].dtype and ins[0].is_floating_point():
-                self._source[outs[0]] = self._source.get(ins[0], in_dt[0])
-            elif func.is_view and ins[0] in self._source:
-                self._source[outs[0]] = self._source[ins[0]]
+                self._mark(outs[0], (marks[0] if marks else None) or in_dt[0])
+            elif func.is_view and marks and marks[0]:
+                self._mark(outs[0], marks[0])
         if func.is_view:  # a view computes nothing: it passes its input's cast mark along
             cast_from, cat = (), "other"
         else:
             cat = category(op, in_dt, out_dt, cast_from)
-        phase, module = self.where()
+        if self.detail != "full":  # no module: only the phase, one C call
+            phase = "forward" if torch._C._current_autograd_node() is None else "backward"
+            module = ""
+        else:
+            phase, module = self.where()
         if self.detail != "full":  # a tuple hashes faster than a frozen dataclass
             self._fast[(op, module, phase, in_dt, out_dt, cast_from, cat)] += 1
             return
