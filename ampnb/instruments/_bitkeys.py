@@ -191,23 +191,21 @@ def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
     """The same for each short segment of a flat tensor: keys mapped to classes, counted by
     (segment, class) in one bincount."""
     nseg, nc, dev = len(lengths), len(plan.thresholds), x.device
-    starts = list(itertools.accumulate([0, *lengths]))
     with _buffers(x.numel(), dev) as (b, k, t):
         torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
         # Per segment (max, min) of |x|'s bits; redone masked where zeros or inf/NaN spoil them.
-        ext = torch.stack([v for s, e in zip(starts, starts[1:])
-                           for v in reversed(torch.aminmax(b[s:e]))]).tolist()
-        for i in range(nseg):
+        parts = b.split(list(lengths))  # one call for all the views: slicing costs per call
+        ext = torch.stack([v for p in parts for v in reversed(torch.aminmax(p))]).tolist()
+        for i, part in enumerate(parts):
             if ext[2 * i] >= _INF_BITS or ext[2 * i + 1] == 0:
-                part = b[starts[i]:starts[i + 1]]
                 ext[2 * i] = int(_finite_max(part).amax())
                 ext[2 * i + 1] = int(_nonzero_min(part).amin())
         _keys(b, k, t, _split_table(plan, dev))
         torch.index_select(_classes(plan, dev), 0, k, out=t)  # t: each element's class
-        # One bincount over (segment, class): k becomes nc * segment, by a cumsum of steps.
-        k.zero_()
-        k[torch.tensor(starts[1:-1], dtype=torch.long, device=dev)] = nc
-        t.add_(k.cumsum_(0))
+        # One bincount over (segment, class): t += nc * its segment.
+        t.add_(torch.repeat_interleave(
+            torch.arange(0, nseg * nc, nc, dtype=torch.int32, device=dev),
+            torch.tensor(lengths, device=dev), output_size=x.numel()))
         cls = torch.bincount(t, minlength=nseg * nc).view(nseg, nc)
     return cls.flip(1).cumsum(1).flip(1), ext
 
