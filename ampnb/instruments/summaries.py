@@ -10,6 +10,7 @@ import torch
 
 from ampnb.display import dtype_name
 from ampnb.formats import get_format
+from ampnb.instruments._bitkeys import _ALONE
 from ampnb.instruments.coverage_stats import Coverage, segment_stats
 from ampnb.instruments.trace import internal
 
@@ -70,13 +71,16 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
     found: dict[int, tuple] = {}
     with internal():  # on private detached copies: no autograd to switch off
         for (_, dt), tensors in groups.items():
-            ts = list(tensors.values())
-            # One cat, then one conversion (if any): not a conversion call per tensor.
-            flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1)
-            flat = flat.to(dt)
-            for i, stats in zip(tensors, segment_stats(flat, [t.numel() for t in ts],
-                                                       fmts or (dt,))):
-                found[i] = stats
+            # A long tensor is counted where it lies; short ones after one cat and one
+            # conversion (a copy costs as much as a counting pass).
+            short = {i: t for i, t in tensors.items() if t.numel() < _ALONE}
+            parts = [({i: t}, t.reshape(-1)) for i, t in tensors.items() if i not in short]
+            if short:
+                parts.append((short, torch.cat([t.reshape(-1) for t in short.values()])))
+            for ts, flat in parts:
+                stats = segment_stats(flat.to(dt), [t.numel() for t in ts.values()],
+                                      fmts or (dt,))
+                found.update(zip(ts, stats))
     names = {f.name: None for f in fmts}
     out = []
     for s in seen:
