@@ -126,14 +126,21 @@ def _keys(b: torch.Tensor, k: torch.Tensor, t: torch.Tensor, splits: torch.Tenso
     torch.add(t, k, alpha=2, out=k)
 
 
-def _finite_max(b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    other = torch.tensor(-1, dtype=b.dtype, device=b.device)
-    return torch.where(b < _INF_BITS, b, other, out=out)  # nonfinite (bits >= inf) never count
+_SIGN = -(1 << 31)  # int32's sign bit: XOR with it turns a signed order into an unsigned one
 
 
-def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    inf = torch.tensor(_INF_BITS, dtype=b.dtype, device=b.device)
-    return torch.where(b == 0, inf, b, out=out)  # NaN and inf are >= this: never below
+def _finite_max(b: torch.Tensor, out: torch.Tensor | None = None) -> int:
+    """Largest bits of |x| below inf's (negative if none): b - inf, with the sign bit flipped,
+    puts every inf/NaN below every finite value; two plain passes, no boolean mask."""
+    t = torch.sub(b, _INF_BITS, out=out)
+    return int(t.bitwise_xor_(_SIGN).amax()) + _SIGN + _INF_BITS
+
+
+def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> int:
+    """Smallest nonzero bits of |x| (>= inf's if none): b - 1, with the sign bit flipped,
+    puts zeros above everything; NaN and inf stay >= inf's bits, so never below a value."""
+    t = torch.sub(b, 1, out=out)
+    return int(t.bitwise_xor_(_SIGN).amin()) - _SIGN + 1
 
 
 def _one_segment(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, list[int]]:
@@ -159,8 +166,8 @@ def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.T
         torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bb)
         cmin, cmax = (int(v) for v in torch.aminmax(bb))
         # Exact extremes cost a masked pass only where zeros or inf/NaN are present.
-        hi = max(hi, cmax if cmax < _INF_BITS else int(_finite_max(bb, kk).amax()))
-        lo = min(lo, cmin if cmin > 0 else int(_nonzero_min(bb, kk).amin()))
+        hi = max(hi, cmax if cmax < _INF_BITS else _finite_max(bb, kk))
+        lo = min(lo, cmin if cmin > 0 else _nonzero_min(bb, kk))
         _keys(bb, kk, tt, splits)
         counts = _bincount(kk)
         table = counts if table is None else table.add_(counts)
@@ -198,8 +205,8 @@ def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
         ext = torch.stack([v for p in parts for v in reversed(torch.aminmax(p))]).tolist()
         for i, part in enumerate(parts):
             if ext[2 * i] >= _INF_BITS or ext[2 * i + 1] == 0:
-                ext[2 * i] = int(_finite_max(part).amax())
-                ext[2 * i + 1] = int(_nonzero_min(part).amin())
+                ext[2 * i] = _finite_max(part)
+                ext[2 * i + 1] = _nonzero_min(part)
         _keys(b, k, t, _split_table(plan, dev))
         torch.index_select(_classes(plan, dev), 0, k, out=t)  # t: each element's class
         # One bincount over (segment, class): t += nc * its segment.
