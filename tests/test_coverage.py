@@ -257,3 +257,24 @@ def test_large_chunks_counted_on_two_threads_agree_with_the_general_path(monkeyp
     assert list(_bitkeys._POOL) == [os.getpid()]  # the worker thread took part
     assert fast == cs._bucketize_stats(x, [n], fmts)
 
+
+
+def test_long_segments_counted_alone_between_runs_of_short_ones(monkeypatch):
+    """Segments counted alone (long) and in packed runs (short), interleaved, give what one
+    bucketize per segment gives, in the segments' own order."""
+    from ampnb.instruments import _bitkeys
+    from ampnb.instruments import coverage_stats as cs
+    x = _awkward_float32()
+    fmts = tuple(get_format(f) for f in FORMATS)
+    monkeypatch.setattr(_bitkeys, "_ALONE", 500)
+    monkeypatch.setattr(_bitkeys, "_CHUNK", 1200)
+    lens = [3, 600, 10, 0, 2000, 1, 1, 700]
+    lens[3] = 5
+    lens.append(x.numel() - sum(lens))
+    fast = cs.segment_stats(x, lens, fmts)
+    general = cs._bucketize_stats(x, lens, fmts)
+    assert [h for _, h in fast] == [h for _, h in general]
+    for (cf, _), (cg, _) in zip(fast, general):
+        for k in cf:
+            assert counts_of(cf[k]) == counts_of(cg[k])
+            assert cf[k].min_nonzero == cg[k].min_nonzero or math.isnan(cf[k].min_nonzero)

@@ -263,3 +263,13 @@ def test_fp8_mode_says_which_layers_run_in_fp8(ip):
     _amp(ip, "transformer-engine -o r", "y = lin(x)")
     notes = " ".join(ip.user_ns["r"].notes)
     assert "only FP8 layers run in FP8" in notes and "convert_module" in notes
+
+
+def test_trace_summary_shows_the_counts_without_module_paths(ip):
+    _, out = _amp(ip, "bf16-mixed --trace summary -o r", "y = lin(x)")
+    t = _extra(ip.user_ns["r"], "OpTrace")
+    assert t.detail == "summary" and t.rows == []
+    assert {r.module for r in t.grouped} == {""}
+    assert "addmm" in _shown(out) and "ran in lower precision (bfloat16)" in _shown(out)
+    _amp(ip, "bf16-mixed --trace -o r2", "y = lin(x)")
+    assert _extra(ip.user_ns["r2"], "OpTrace").detail == "full"

@@ -219,3 +219,24 @@ def test_a_dict_batch_with_the_models_own_loss_shows_gradients():
     ref(**batch)["loss"].backward()
     assert panel.capture.get("head.weight", "gradient").amax == ref.head.weight.grad.abs().max().item()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_each_view_is_drawn_once_and_its_labels_fit_the_figure(panel, monkeypatch):
+    """No layout engine: rendering a view draws the figure once (constrained layout drew it
+    twice, which doubled the time to open on models with many tensors); the tick labels and
+    the legend still lie inside the figure."""
+    from matplotlib.figure import Figure
+    draws = []
+    real = Figure.draw
+    monkeypatch.setattr(Figure, "draw", lambda self, r: draws.append(1) or real(self, r))
+    for layer in (rx.ALL, panel.layer.options[1]):
+        panel.layer.value = layer
+        draws.clear()
+        panel.figure._repr_png_()
+        assert draws == [1]
+        r = panel.figure.canvas.get_renderer()
+        box = panel.figure.bbox
+        labels = [t.get_window_extent(r) for t in panel.ax.get_yticklabels() if t.get_text()]
+        assert labels and all(b.x0 >= box.x0 for b in labels)  # the left margin holds them
+        if panel.ax.get_legend():
+            assert panel.ax.get_legend().get_window_extent(r).y1 <= box.y1

@@ -200,3 +200,40 @@ def test_an_interrupt_at_any_line_leaves_no_stuck_counter_hook_or_mode():
         with ampnb.trace_ops() as t:
             torch.ones(2) * 2
         assert t.rows, f"a trace after an interrupt at line {k} saw no ops"
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)  # each trace sees the same first backward
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+
+
+def test_summary_detail_counts_what_the_full_trace_counts_without_module_hooks():
+    from torch.nn.modules import module as nn_module
+    model, x = _mlp()
+    with ampnb.trace_ops() as full:
+        _step(model, x)
+    hooks = []
+    with ampnb.trace_ops(detail="summary") as fast:
+        hooks.append(len(nn_module._global_forward_pre_hooks) + len(nn_module._global_forward_hooks))
+        _step(model, x)
+
+    def without_module(t):
+        out = {}
+        for r, n in t.grouped.items():
+            key = (r.op, r.phase, r.input_dtypes, r.output_dtype, r.cast_from, r.category)
+            out[key] = out.get(key, 0) + n
+        return out
+
+    assert without_module(fast) == without_module(full) and fast.counts == full.counts
+    assert fast.summary() == full.summary() and fast.rows == []
+    assert {r.module for r in fast.grouped} == {""} and hooks == [0]
+    with pytest.raises(ValueError, match="detail='full'"):
+        fast.select(op="addmm")
+    assert "rows keeps" not in fast.table()._repr_html_()
+
+
+def test_trace_detail_must_be_one_of_the_named_ones():
+    with pytest.raises(ValueError, match="allowed: full, summary") as e:
+        ampnb.trace_ops(detail="short")
+    assert "\n" not in str(e.value)

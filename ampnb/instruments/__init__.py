@@ -12,7 +12,6 @@ _EXPORTS = {
     "coverage_table": "ampnb.instruments.coverage_stats",
     "exponent_histogram": "ampnb.instruments.coverage_stats",
     "EXP_BINS": "ampnb.instruments.coverage_stats",
-    "coverage_backend": "ampnb.instruments.kernels",
     "capture": "ampnb.instruments.tensor_capture",
     "Capture": "ampnb.instruments.tensor_capture",
     "TensorStats": "ampnb.instruments.summaries",

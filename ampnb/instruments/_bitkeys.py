@@ -17,7 +17,7 @@ import itertools
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +82,11 @@ def _plan(fmts: tuple[FloatFormat, ...]) -> _Plan:
 
 @functools.lru_cache(maxsize=16)
 def _split_table(plan: _Plan, device: torch.device) -> torch.Tensor:
-    """Each cell's split point (int32, 2**15 entries)."""
-    table = torch.ones(_KEYS // 2, dtype=torch.int32)
+    """Each cell's split point as the bits of |x| it starts at (int32, 2**15 entries): one
+    compare of the whole bits then decides the key, with no masking of the low bits first."""
+    table = torch.arange(_KEYS // 2, dtype=torch.int32) * (1 << _LOW) + 1
     for cell, low in plan.splits:
-        table[cell] = low
+        table[cell] = (cell << _LOW) + low
     return table.to(device)
 
 
@@ -117,101 +118,57 @@ def _buffers(n: int, device: torch.device) -> Iterator[tuple[torch.Tensor, ...]]
 
 
 def _keys(b: torch.Tensor, k: torch.Tensor, t: torch.Tensor, splits: torch.Tensor) -> None:
-    """k = key(x) from b = bits of |x|, in place; b and t are left as scratch."""
+    """k = key(x) from b = bits of |x| (left as it was); t is scratch. Four passes: every
+    pass over memory counts, since the whole job is a few passes and one bincount."""
     torch.bitwise_right_shift(b, _LOW, out=k)
     torch.index_select(splits, 0, k, out=t)
-    b.bitwise_and_((1 << _LOW) - 1)
     torch.ge(b, t, out=t)
     torch.add(t, k, alpha=2, out=k)
 
 
-def _fused_keys(xi: torch.Tensor, cells: torch.Tensor, lows: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """key(x), and the bits of amax and min |x|>0, from x's int32 view: what `kernels` compiles.
-
-    The splits come as _SLOTS (cell, low bits) pairs: a chain of compares fuses into one
-    vectorized loop, where a gather from the 2**15-entry table would not.
-    """
-    b = xi & 0x7FFFFFFF
-    cell, low = b >> _LOW, b & ((1 << _LOW) - 1)
-    split = low >= 1
-    for i in range(_SLOTS):
-        split = torch.where(cell == cells[i], low >= lows[i], split)
-    return cell * 2 + split.to(torch.int32), _finite_max(b).amax(), _nonzero_min(b).amin()
+_SIGN = -(1 << 31)  # int32's sign bit: XOR with it turns a signed order into an unsigned one
 
 
-# The CPU key kernel: "eager" torch ops, or "compiled" (fn: _fused_keys through torch.compile).
-# `kernels.coverage_backend` builds and selects it; imports point from kernels to here only.
-_BACKEND: dict[str, object] = {"name": "eager", "fn": None}
+def _finite_max(b: torch.Tensor, out: torch.Tensor | None = None) -> int:
+    """Largest bits of |x| below inf's (negative if none): b - inf, with the sign bit flipped,
+    puts every inf/NaN below every finite value; two plain passes, no boolean mask."""
+    t = torch.sub(b, _INF_BITS, out=out)
+    return int(t.bitwise_xor_(_SIGN).amax()) + _SIGN + _INF_BITS
 
 
-def _compiled_keys(device: torch.device) -> Callable | None:
-    """The compiled key function where it applies (CPU, selected, not inside a compile), else None."""
-    if _BACKEND["name"] != "compiled" or device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    return _BACKEND["fn"]  # type: ignore[return-value]
-
-
-_SLOTS = 4  # splits the compiled kernel takes (registered formats need at most 4: fp16 + bf16)
-
-
-@functools.lru_cache(maxsize=16)
-def _split_slots(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The plan's splits padded to _SLOTS (cell -1 matches nothing), or None if they do not fit."""
-    if len(plan.splits) > _SLOTS:
-        return None
-    pad = [(-1, 1)] * (_SLOTS - len(plan.splits))
-    cells, lows = zip(*plan.splits, *pad)
-    return (torch.tensor(cells, dtype=torch.int32, device=device),
-            torch.tensor(lows, dtype=torch.int32, device=device))
-
-
-def _finite_max(b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    other = torch.tensor(-1, dtype=b.dtype, device=b.device)
-    return torch.where(b < _INF_BITS, b, other, out=out)  # nonfinite (bits >= inf) never count
-
-
-def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    inf = torch.tensor(_INF_BITS, dtype=b.dtype, device=b.device)
-    return torch.where(b == 0, inf, b, out=out)  # NaN and inf are >= this: never below
+def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> int:
+    """Smallest nonzero bits of |x| (>= inf's if none): b - 1, with the sign bit flipped,
+    puts zeros above everything; NaN and inf stay >= inf's bits, so never below a value."""
+    t = torch.sub(b, 1, out=out)
+    return int(t.bitwise_xor_(_SIGN).amin()) - _SIGN + 1
 
 
 def _one_segment(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, list[int]]:
     """Counts of key >= each threshold, and the (amax, min |x|>0) bits, of one flat tensor."""
     n = x.numel()
     size = n if x.is_cuda else min(n, _CHUNK)
-    compiled = _compiled_keys(x.device)
-    slots = _split_slots(plan, x.device) if compiled is not None else None
-    fused = functools.partial(compiled, cells=slots[0], lows=slots[1]) if slots else None
     with _buffers(size, x.device) as bufs:
-        table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device), fused)
+        table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device))
     below = torch.cat([table.new_zeros(1), table.cumsum(0)])  # below[k] = how many keys < k
     ge = n - below[torch.tensor(plan.thresholds, device=x.device)]
     return ge[None], [hi, lo]
 
 
-def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor,
-                  fused: Callable | None = None) -> tuple[torch.Tensor, int, int]:
-    """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0.
-
-    fused: the compiled _fused_keys with its split slots bound, used on whole chunks only (one
-    shape, one compilation)."""
+def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor
+                  ) -> tuple[torch.Tensor, int, int]:
+    """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0."""
     b, k, t = bufs
     n, size = x.numel(), b.numel()
     table, hi, lo = None, -1, _INF_BITS
     for s in range(0, n, size):
         part = x[s:s + size]
-        if fused is not None and part.numel() == _CHUNK:
-            kk, cmax, cmin = fused(part.view(torch.int32))
-            hi, lo = max(hi, int(cmax)), min(lo, int(cmin))
-        else:
-            bb, kk, tt = b[:part.numel()], k[:part.numel()], t[:part.numel()]
-            torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bb)
-            cmin, cmax = (int(v) for v in torch.aminmax(bb))
-            # Exact extremes cost a masked pass only where zeros or inf/NaN are present.
-            hi = max(hi, cmax if cmax < _INF_BITS else int(_finite_max(bb, kk).amax()))
-            lo = min(lo, cmin if cmin > 0 else int(_nonzero_min(bb, kk).amin()))
-            _keys(bb, kk, tt, splits)
+        bb, kk, tt = b[:part.numel()], k[:part.numel()], t[:part.numel()]
+        torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bb)
+        cmin, cmax = (int(v) for v in torch.aminmax(bb))
+        # Exact extremes cost a masked pass only where zeros or inf/NaN are present.
+        hi = max(hi, cmax if cmax < _INF_BITS else _finite_max(bb, kk))
+        lo = min(lo, cmin if cmin > 0 else _nonzero_min(bb, kk))
+        _keys(bb, kk, tt, splits)
         counts = _bincount(kk)
         table = counts if table is None else table.add_(counts)
     return table, hi, lo
@@ -238,25 +195,54 @@ def _bincount(k: torch.Tensor) -> torch.Tensor:
 
 def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
                    ) -> tuple[torch.Tensor, list[int]]:
-    """The same for each segment of a flat tensor: keys mapped to classes, counted per segment."""
+    """The same for each short segment of a flat tensor: keys mapped to classes, counted by
+    (segment, class) in one bincount."""
     nseg, nc, dev = len(lengths), len(plan.thresholds), x.device
-    starts = list(itertools.accumulate([0, *lengths]))
     with _buffers(x.numel(), dev) as (b, k, t):
         torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
         # Per segment (max, min) of |x|'s bits; redone masked where zeros or inf/NaN spoil them.
-        ext = torch.stack([v for s, e in zip(starts, starts[1:])
-                           for v in reversed(torch.aminmax(b[s:e]))]).tolist()
-        for i in range(nseg):
+        parts = b.split(list(lengths))  # one call for all the views: slicing costs per call
+        ext = torch.stack([v for p in parts for v in reversed(torch.aminmax(p))]).tolist()
+        for i, part in enumerate(parts):
             if ext[2 * i] >= _INF_BITS or ext[2 * i + 1] == 0:
-                part = b[starts[i]:starts[i + 1]]
-                ext[2 * i] = int(_finite_max(part).amax())
-                ext[2 * i + 1] = int(_nonzero_min(part).amin())
+                ext[2 * i] = _finite_max(part)
+                ext[2 * i + 1] = _nonzero_min(part)
         _keys(b, k, t, _split_table(plan, dev))
-        torch.index_select(_classes(plan, dev), 0, k, out=b)  # b: each element's class
-        # One bincount per segment: cheaper than building per-element segment offsets.
-        cls = torch.stack([torch.bincount(b[s:e], minlength=nc)
-                           for s, e in zip(starts, starts[1:])])
+        torch.index_select(_classes(plan, dev), 0, k, out=t)  # t: each element's class
+        # One bincount over (segment, class): t += nc * its segment.
+        t.add_(torch.repeat_interleave(
+            torch.arange(0, nseg * nc, nc, dtype=torch.int32, device=dev),
+            torch.tensor(lengths, device=dev), output_size=x.numel()))
+        cls = torch.bincount(t, minlength=nseg * nc).view(nseg, nc)
     return cls.flip(1).cumsum(1).flip(1), ext
+
+
+_ALONE = 1 << 16  # a segment this long is counted on its own (its bincount is no overhead)
+
+
+def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
+                   ) -> tuple[torch.Tensor, list[int]]:
+    """g[s, j] = how many |x| >= plan.values[j] in each segment of a flat float32 tensor, and
+    per segment the bits of (amax, min |x|>0). A long segment is counted alone; runs of short
+    ones together, up to _CHUNK elements a pass (slices of x: nothing is copied)."""
+    runs: list[tuple[int, int]] = []  # [first, last) segment indices
+    size = 0
+    for i, n in enumerate(lengths):
+        alone = n >= _ALONE or len(lengths) == 1
+        if alone or not runs or runs[-1][1] != i or size + n > _CHUNK or runs[-1][2]:
+            runs.append([i, i + 1, alone])
+            size = 0
+        else:
+            runs[-1][1] = i + 1
+        size += n
+    starts = list(itertools.accumulate([0, *lengths]))
+    rows, ext = [], []
+    for first, last, alone in runs:
+        part, lens = x[starts[first]:starts[last]], lengths[first:last]
+        ge, e = _one_segment(part, plan) if alone else _many_segments(part, lens, plan)
+        rows.append(_value_counts(part, lens, plan, ge))
+        ext.extend(e)
+    return (torch.cat(rows) if len(rows) > 1 else rows[0]), ext
 
 
 def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torch.Tensor

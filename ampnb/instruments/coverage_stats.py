@@ -22,14 +22,7 @@ from ampnb.instruments._bins import (  # noqa: F401
     FormatLike,
     _cut_points,
 )
-from ampnb.instruments._bitkeys import (
-    _levels,
-    _many_segments,
-    _one_segment,
-    _plan,
-    _value,
-    _value_counts,
-)
+from ampnb.instruments._bitkeys import _levels, _plan, _value, count_segments
 
 
 @dataclass(frozen=True, repr=False)
@@ -96,21 +89,23 @@ def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[
     if flat.dtype != torch.float32 or not all(lengths):
         return _bucketize_stats(flat, lengths, fmts)
     plan = _plan(fmts)
-    if len(lengths) == 1:
-        ge, ext = _one_segment(flat, plan)
-    else:
-        ge, ext = _many_segments(flat, lengths, plan)
-    g = _value_counts(flat, lengths, plan, ge)
+    g, ext = count_segments(flat, lengths, plan)
     lo, hi = _levels(plan, g.device)
     nv, out = plan.head, []  # the edges' counts are only needed as histogram differences
     rows = torch.cat([g[:, :nv], g[:, lo] - g[:, hi]], dim=1).tolist()
+    at = {v: i for i, v in enumerate(plan.values[:nv])}
+    cols = [(f.name, at[pu], at[pn], at[po]) for f, (pu, pn, po) in zip(fmts, plan.cuts)]
+    i0, itiny, iinf = (at[v] for v in _SHARED)
     for i, (n, row) in enumerate(zip(lengths, rows)):
-        counts = dict(zip(plan.values[:nv], row[:nv]))
         hi_bits, lo_bits = ext[2 * i], ext[2 * i + 1]
-        out.append((_coverages(fmts, plan.cuts, counts, n,
-                               _value(hi_bits) if hi_bits >= 0 else 0.0,
-                               _value(lo_bits) if lo_bits < _INF_BITS else math.inf,
-                               *(counts[v] for v in _SHARED)), row[nv:]))
+        g0, gtiny, ginf = row[i0], row[itiny], row[iinf]
+        amax = (_value(hi_bits) if hi_bits >= 0 else 0.0) if g0 > ginf else math.nan
+        min_nz = (_value(lo_bits) if lo_bits < _INF_BITS else math.inf) if gtiny > ginf \
+            else math.nan
+        # Positional: this runs for every format of every captured tensor.
+        out.append(({name: Coverage(name, n, row[po] - ginf, gtiny - row[pu], row[pu] - row[pn],
+                                    row[pn] - row[po], g0 - gtiny, n - g0 + ginf, amax, min_nz)
+                     for name, pu, pn, po in cols}, row[nv:]))
     return out
 
 

@@ -10,6 +10,7 @@ import torch
 
 from ampnb.display import dtype_name
 from ampnb.formats import get_format
+from ampnb.instruments._bitkeys import _ALONE
 from ampnb.instruments.coverage_stats import Coverage, segment_stats
 from ampnb.instruments.trace import internal
 
@@ -63,27 +64,45 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
     seen = list(seen)
     groups: dict[tuple, dict[int, torch.Tensor]] = {}  # one segment per distinct tensor
     for s in seen:
-        if s.tensor.numel():  # an empty output is a fact to show, not an error in a hook
-            flat_dtype = torch.float64 if s.tensor.dtype == torch.float64 else torch.float32
-            groups.setdefault((s.tensor.device, flat_dtype), {})[id(s.tensor)] = s.tensor
+        t = s.tensor
+        if t.numel():  # an empty output is a fact to show, not an error in a hook
+            key = (t.device, torch.float64 if t.dtype == torch.float64 else torch.float32)
+            groups.setdefault(key, {})[id(t)] = t
     found: dict[int, tuple] = {}
     with internal():  # on private detached copies: no autograd to switch off
         for (_, dt), tensors in groups.items():
-            flat = torch.cat([t.reshape(-1).to(dt) for t in tensors.values()])
-            lengths = [t.numel() for t in tensors.values()]
-            for i, (covs, hist) in zip(tensors, segment_stats(flat, lengths, fmts or (dt,))):
-                found[i] = (covs, tuple(hist))
+            # A long tensor is counted where it lies; short ones after one cat and one
+            # conversion (a copy costs as much as a counting pass).
+            short = {i: t for i, t in tensors.items() if t.numel() < _ALONE}
+            parts = [({i: t}, t.reshape(-1)) for i, t in tensors.items() if i not in short]
+            if short:
+                parts.append((short, torch.cat([t.reshape(-1) for t in short.values()])))
+            for ts, flat in parts:
+                stats = segment_stats(flat.to(dt), [t.numel() for t in ts.values()],
+                                      fmts or (dt,))
+                found.update(zip(ts, stats))
+    names = {f.name: None for f in fmts}
     out = []
     for s in seen:
         t = s.tensor
         covs, hist = found.get(id(t), ({}, ()))
         c0 = next(iter(covs.values()), None)  # amax and min |x| are the same in every format
         out.append(TensorStats(
-            s.name, s.module, s.kind, tuple(t.shape), dtype_name(t.dtype),
-            t.numel(), c0.amax if c0 else math.nan, c0.min_nonzero if c0 else math.nan, hist,
-            tuple(covs[f.name] for f in fmts) if c0 else (), s.calls,
+            s.name, s.module, s.kind, tuple(t.shape), _dtype(t.dtype),
+            t.numel(), c0.amax if c0 else math.nan, c0.min_nonzero if c0 else math.nan,
+            tuple(hist), tuple(covs[f] for f in names) if c0 else (), s.calls,
             tensor=t if keep else None))
     return out
+
+
+_DTYPES: dict[torch.dtype, str] = {}
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    name = _DTYPES.get(dtype)
+    if name is None:
+        name = _DTYPES[dtype] = dtype_name(dtype)
+    return name
 
 
 def summarize(x: torch.Tensor, formats: Iterable[str] = DEFAULT_FORMATS, name: str = "",
@@ -100,5 +119,7 @@ def _check_float(x: object) -> None:
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
+    if not torch._C._len_torch_dispatch_stack():  # no tracer or hunter to hide the copy from
+        return x.detach().clone()
     with internal():
         return x.detach().clone()

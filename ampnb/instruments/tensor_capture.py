@@ -25,6 +25,8 @@ from ampnb.instruments.summaries import (
 
 def _float_tensors(out: object) -> list[tuple[str, torch.Tensor]]:
     """(path suffix, tensor) of the floating-point tensors inside a module output."""
+    if isinstance(out, torch.Tensor):  # most modules: no container to walk
+        return [("", out)] if out.is_floating_point() else []
     return [(k, t) for k, t in named_tensors(out) if t.is_floating_point()]
 
 

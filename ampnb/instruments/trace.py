@@ -7,6 +7,8 @@ Stable API (PrecisionPanel and `%%amp --trace` use it):
     t.rows (list[OpRow], first `limit` ops in order); t.counts ({category: n}, all ops);
     t.select(op="addmm", module="body.*", category=None, phase=None) (globs) -> list[OpRow];
     t.table(limit=60) (Table, one line per distinct row + count); t.summary() (one line).
+    trace_ops(detail="summary"): counts only (t.grouped, t.counts, t.summary(), t.table());
+    no module paths (module is ""), no t.rows; several times cheaper than "full".
 
 OpRow (frozen): op (aten name, "addmm"), module (path from the outermost module that ran, which
 shows as its class name: "MLP", "body.0"; "" outside any), phase ("forward"/"backward"),
@@ -22,7 +24,9 @@ that node's `metadata`, left there).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import threading
+import weakref
 from collections import Counter
 from contextlib import ContextDecorator
 from dataclasses import dataclass
@@ -32,7 +36,6 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ampnb._interrupt import Guard
 from ampnb._tree import tensors
@@ -93,6 +96,7 @@ class OpRow:
         return bool(self.cast_from)
 
 
+@functools.lru_cache(maxsize=4096)
 def category(op: str, inputs: tuple[str, ...], output: str, cast_from: tuple[str, ...]) -> str:
     """lowered / kept / promoted / cast / other, from the dtypes alone."""
     if not _is_float(output):
@@ -180,6 +184,36 @@ def _label(node: Any, path: str, walk: bool) -> None:
             todo.extend(f for f, _ in n.next_functions)
 
 
+def _op_tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments: tensors, or lists of them (Tensor[]); an
+    op's schema allows nothing deeper, so the general container walker is not needed here
+    (it cost more than the rest of the tracer together)."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, torch.Tensor))
+    return found
+
+
+_NAMES: dict[Any, str] = {}  # OpOverload -> "addmm"; dtype -> "bfloat16": both asked per op
+
+
+def _op_name(func: Any) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = func._schema.name.removeprefix("aten::")
+    return name
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
 def current_node_module() -> tuple[str, str]:
     """(phase, module) of the op running now: backward ops belong to the module of their node."""
     node = torch._C._current_autograd_node()
@@ -197,13 +231,15 @@ class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
     line event at a `with` on the way out, and an interrupt there skips __exit__).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, paths: bool = True) -> None:
         Guard.__init__(self, self._attach, self._detach)
         TorchDispatchMode.__init__(self)
         self.paths = ModulePaths()
+        self._with_paths = paths  # False: no module hooks, every op's module is ""
 
     def _attach(self) -> OpWatch:
-        self.paths.attach()
+        if self._with_paths:
+            self.paths.attach()
         try:
             TorchDispatchMode.__enter__(self)
         except BaseException:
@@ -220,6 +256,8 @@ class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
     def where(self) -> tuple[str, str]:
         """(phase, module) of the op being dispatched."""
         phase, module = current_node_module()
+        if not self._with_paths:
+            return phase, ""
         return phase, (self.paths.current if phase == "forward" else module)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -233,37 +271,75 @@ class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
         """Called after every op with its inputs and outputs."""
 
 
+DETAILS = ("full", "summary")
+
+
 class OpTrace(TableView, OpWatch):
     """`with trace_ops() as t:` records every op; t.rows, t.counts, t.table()."""
 
-    def __init__(self, limit: int = 100_000) -> None:
-        if not isinstance(limit, int) or limit < 0:
+    def __init__(self, limit: int = 100_000, detail: str = "full") -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"limit must be an int >= 0, got {limit!r}")
-        super().__init__()
-        self.limit = limit
+        if detail not in DETAILS:
+            raise ValueError(f"unknown trace detail {detail!r}; allowed: {', '.join(DETAILS)}")
+        super().__init__(paths=detail == "full")
+        self.detail = detail
+        self.limit = limit if detail == "full" else 0
         self.rows: list[OpRow] = []
-        self.grouped: Counter[OpRow] = Counter()
-        self._source: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast tensor -> dtype before
+        self._grouped: Counter[OpRow] = Counter()
+        self._fast: Counter[tuple] = Counter()  # detail="summary": OpRow fields, made on reading
+        # cast tensor -> dtype before: id -> (weak ref, dtype); a dict lookup per input is the
+        # common case, and WeakIdKeyDictionary made a weak reference for every lookup.
+        self._source: dict[int, tuple[weakref.ref, str]] = {}
+
+    def _cast_mark(self, t: torch.Tensor) -> str | None:
+        seen = self._source.get(id(t))
+        return seen[1] if seen is not None and seen[0]() is t else None
+
+    def _mark(self, t: torch.Tensor, dtype: str) -> None:
+        key = id(t)
+        def forget(ref: weakref.ref, k: int = key, src: dict = self._source) -> None:
+            if src.get(k, (None,))[0] is ref:  # not a newer tensor that got the same id
+                del src[k]
+        self._source[key] = (weakref.ref(t, forget), dtype)
+
+    @property
+    def grouped(self) -> Counter[OpRow]:
+        """How often each distinct row ran (all ops, also past `limit`)."""
+        if self._fast:
+            for key, n in self._fast.items():
+                self._grouped[OpRow(*key)] += n
+            self._fast.clear()
+        return self._grouped
 
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        ins = tensors((args, kwargs))
-        outs = tensors(out)
-        op = func._schema.name.removeprefix("aten::")
-        in_dt = tuple(dtype_name(t.dtype) for t in ins)
-        out_dt = dtype_name(outs[0].dtype) if outs else ""
-        cast_from = tuple(dict.fromkeys(self._source[t] for t in ins if t in self._source))
+        ins = _op_tensors(args, kwargs)
+        outs = [out] if isinstance(out, torch.Tensor) else _op_tensors(
+            out if isinstance(out, (list, tuple)) else (), {})
+        op = _op_name(func)
+        in_dt = tuple(_dtype(t.dtype) for t in ins)
+        out_dt = _dtype(outs[0].dtype) if outs else ""
+        marks = [self._cast_mark(t) for t in ins] if self._source else []
+        cast_from = tuple(dict.fromkeys(m for m in marks if m))
         if outs and ins:
             if func is _TO_COPY and ins[0].dtype != outs[0].dtype and ins[0].is_floating_point():
-                self._source[outs[0]] = self._source.get(ins[0], in_dt[0])
-            elif func.is_view and ins[0] in self._source:
-                self._source[outs[0]] = self._source[ins[0]]
+                self._mark(outs[0], (marks[0] if marks else None) or in_dt[0])
+            elif func.is_view and marks and marks[0]:
+                self._mark(outs[0], marks[0])
         if func.is_view:  # a view computes nothing: it passes its input's cast mark along
             cast_from, cat = (), "other"
         else:
             cat = category(op, in_dt, out_dt, cast_from)
-        phase, module = self.where()
+        if self.detail != "full":  # no module: only the phase, one C call
+            phase = "forward" if torch._C._current_autograd_node() is None else "backward"
+            module = ""
+        else:
+            phase, module = self.where()
+        if self.detail != "full":  # a tuple hashes faster than a frozen dataclass
+            self._fast[(op, module, phase, in_dt, out_dt, cast_from, cat)] += 1
+            return
         row = OpRow(op, module, phase, in_dt, out_dt, cast_from, cat)
-        self.grouped[row] += 1
+        self._grouped[row] += 1
         if len(self.rows) < self.limit:
             self.rows.append(row)
 
@@ -278,6 +354,9 @@ class OpTrace(TableView, OpWatch):
     def select(self, op: str = "*", module: str = "*", category: str | None = None,
                phase: str | None = None) -> list[OpRow]:
         """Rows whose op and module match glob patterns, optionally of one category/phase."""
+        if self.detail != "full":
+            raise ValueError("select needs each op's record: trace_ops(detail='full'); this "
+                             "trace kept counts only (t.grouped, t.counts, t.table())")
         if category is not None and category not in CATEGORIES:
             raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
         if phase not in (None, "forward", "backward"):
@@ -304,12 +383,13 @@ class OpTrace(TableView, OpWatch):
         notes = [self.summary()]
         if len(items) > limit:
             notes.append(f"showing {limit} of {len(items)} distinct rows (table(limit=...))")
-        if sum(self.grouped.values()) > len(self.rows):
+        if self.detail == "full" and sum(self.grouped.values()) > len(self.rows):
             notes.append(f"t.rows keeps the first {self.limit} ops; counts include all")
         return Table(("module", "op", "phase", "inputs", "output", "cast from", "category",
                       "count"), rows, caption="ops traced (dtype after autocast)", notes=notes)
 
 
-def trace_ops(limit: int = 100_000) -> OpTrace:
-    """`with trace_ops() as t:` records which op ran in which dtype, from which module."""
-    return OpTrace(limit)
+def trace_ops(limit: int = 100_000, detail: str = "full") -> OpTrace:
+    """`with trace_ops() as t:` records which op ran in which dtype, from which module
+    (detail="summary": counts per op and dtypes only, no module paths, no t.rows)."""
+    return OpTrace(limit, detail)

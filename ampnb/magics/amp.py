@@ -69,7 +69,9 @@ class AmpMagics(Magics):
                    "choice where the CPU has no fp16 units) or torch's native kernels")
     @argument("--keep-fp32", metavar="PATHS", help="module paths or globs run in fp32 in any "
               "mode, e.g. \"lm_head,*.norm\" (in the models the cell uses)")
-    @argument("--trace", action="store_true", help="table of which op ran in which dtype")
+    @argument("--trace", nargs="?", const="full", choices=("full", "summary"), metavar="full|summary",
+              help="table of which op ran in which dtype: per module (full, the default) or "
+              "counts per op only (summary: several times cheaper)")
     @argument("--hunt", action="store_true", help="report the first op that made inf/NaN")
     @argument("--memory", action="store_true", help="activation memory saved for backward")
     @argument("--show-code", action="store_true",

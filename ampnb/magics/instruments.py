@@ -75,14 +75,15 @@ class CellMemory(TableView):
                             "not counted (memory_report(model, batch) measures a whole step)",))
 
 
-# flag -> what the cell runs inside
-_PROBES = {"trace": lambda s: OpTrace(), "hunt": lambda s: Hunter(),
-           "memory": lambda s: CellMemory(s.device)}
+# flag -> what the cell runs inside, from the flag's value and the run's settings
+_PROBES = {"trace": lambda v, s: OpTrace(detail=v), "hunt": lambda v, s: Hunter(),
+           "memory": lambda v, s: CellMemory(s.device)}
 
 
 def probes(args: Any, settings: Any) -> list[contextlib.AbstractContextManager]:
     """The instruments the flags ask for, not yet entered."""
-    return [make(settings) for flag, make in _PROBES.items() if getattr(args, flag, False)]
+    return [make(getattr(args, flag), settings) for flag, make in _PROBES.items()
+            if getattr(args, flag, False)]
 
 
 def note_finding(exc: BaseException, found: list[Any]) -> None:

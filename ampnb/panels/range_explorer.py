@@ -23,6 +23,10 @@ from ampnb.workbench.state import untouched
 
 ALL = "(all layers)"
 _SIZES = {"histogram": (8.0, 3.4), "summary_row": 0.28}
+# Fixed margins instead of constrained layout: that lays out by drawing every label once more,
+# which doubled the cost of the first view on models with a hundred tensors (inches).
+_MARGIN_IN = {"left": 0.7, "right": 0.2, "bottom": 0.75, "top": 0.45, "legend": 0.3}
+_LABEL_IN = 7 * 0.55 / 72  # width of one character of a 7-point tick label
 
 
 class RangeExplorer(Panel):
@@ -73,6 +77,7 @@ class RangeExplorer(Panel):
         self._base_widgets()
         self.ax = new_axes(figsize=_SIZES["histogram"])
         self.figure = self.ax.figure
+        self.figure.set_layout_engine(None)
         self._syncing = False  # True while the panel itself rewrites the layer options
         self._set_layers()
         self.kind.observe(lambda _c: self._safely(self._on_kind), names="value")
@@ -167,19 +172,35 @@ class RangeExplorer(Panel):
             narrow = sorted(fmts, key=lambda n: (get_format(n).bits,
                                                  get_format(n).binades_with_subnormals))
             plot_layer_summary(rows, narrow, ax=self.ax)
+            longest = max((len(f"{r.name} ({r.kind})") for r in rows), default=0)
+            # The legend sits 6 % of the axes' height above them (plot_layer_summary).
+            h = self.figure.get_size_inches()[1] - _MARGIN_IN["bottom"]
+            self._margins(left=0.2 + longest * _LABEL_IN,
+                          top=(_MARGIN_IN["top"] + _MARGIN_IN["legend"] + 0.06 * h) / 1.06)
+            sp = self.figure.subplotpars  # the long x label centred on the figure, not the axes
+            self.ax.xaxis.label.set_x((0.5 - sp.left) / (sp.right - sp.left))
             covs = [(f"{r.name} · {f}", r.coverage(f)) for r in rows for f in fmts]
             caption = f"every {kind} tensor against {', '.join(fmts)}"
         elif layer is None:
             self.ax.text(0.5, 0.5, f"no {kind} tensors were captured", ha="center",
                          va="center", transform=self.ax.transAxes)
+            self._margins()
             covs, caption = [], ""
         else:
             rec = self.capture.get(layer, kind)
             self.figure.set_size_inches(*_SIZES["histogram"])
             plot_tensor_histogram(rec, fmts, ax=self.ax)
+            self._margins()
             covs = [(None, rec.coverage(f)) for f in fmts] if rec.coverages else []
             caption = f"{layer} ({kind}, {rec.dtype}, shape {tuple(rec.shape)})"
         labels = [n for n, _ in covs] if covs and covs[0][0] else None  # None: by format
         self.table.value = coverage_table([c for _, c in covs], labels,
                                           caption)._repr_html_() if covs else ""
         self._show(self.figure)
+
+    def _margins(self, left: float | None = None, top: float | None = None) -> None:
+        """Margins in inches, whatever the figure's height (it grows with the rows)."""
+        w, h = self.figure.get_size_inches()
+        m = {**_MARGIN_IN, **({"left": left} if left else {}), **({"top": top} if top else {})}
+        self.figure.subplots_adjust(left=min(m["left"] / w, 0.6), right=1 - m["right"] / w,
+                                    bottom=m["bottom"] / h, top=1 - m["top"] / h)
