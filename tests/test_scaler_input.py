@@ -271,3 +271,15 @@ def test_an_interrupt_at_any_line_of_a_step_leaves_the_stepper_consistent():
             stepper.next_stage()
         assert repr(stepper.history) == repr(ref.history), k  # NaN norms: compare as text
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters())), k
+
+
+def test_apex_o2_is_refused_with_where_it_runs_and_nothing_is_touched():
+    from ampnb.models import demo
+
+    model, opt, loss_fn, batches = demo("mlp")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="'apex-O2' steps fp32 master weights.*Workbench") as info:
+        ScalerStepper(model, opt, loss_fn, batches, mode="apex-O2")
+    assert "\n" not in str(info.value)
+    assert all(v.dtype == before[k].dtype and torch.equal(v, before[k])
+               for k, v in model.state_dict().items())

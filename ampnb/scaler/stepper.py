@@ -63,6 +63,17 @@ def _resolve_enabled(mode: Any, enabled: bool | None) -> bool:
     return enabled
 
 
+def _check_stepped_by_torch_amp(mode: Any) -> None:
+    """Refuse a mode whose optimizer steps on master weights outside the torch.amp loop (APEX O2)."""
+    from ampnb.modes import PrecisionMode
+
+    if type(mode).master_weights is not PrecisionMode.master_weights:
+        raise ValueError(f"mode {mode.name!r} steps fp32 master weights outside the torch.amp loop "
+                         f"the ScalerStepper walks; allowed: a torch.amp mode (16-mixed, "
+                         f"bf16-mixed, 32-true, ..., apex-O1, apex-O3); run {mode.name} in the "
+                         f"Workbench or %%amp")
+
+
 class ScalerStepper:
     """Walk forward, divide, scaled backward, unscale_, clip, step, update, zero_grad; record all."""
 
@@ -79,6 +90,7 @@ class ScalerStepper:
         settings = ScalerSettings(accumulation_steps, clip_norm, init_scale, growth_factor,
                                   backoff_factor, growth_interval)
         self.mode = get_mode(mode)
+        _check_stepped_by_torch_amp(self.mode)
         self.device = _resolve_device(model, self.mode, device)
         _check_optimizer(model, optimizer)
         self.enabled = _resolve_enabled(self.mode, enabled)
