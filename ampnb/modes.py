@@ -338,30 +338,28 @@ class TransformerEnginePrecision(TransformerEngine):
                             f"recipe {self.recipe.describe()}")
 
 
-def _legacy(found: Availability) -> Availability:
-    return Availability(True, apex.LEGACY) if found.ok else found
+class _Legacy:
+    """APEX's levels: they run where their native counterpart runs, labelled legacy."""
+
+    def availability(self, device: str | torch.device = "cpu") -> Availability:
+        found = super().availability(device)
+        return Availability(True, apex.LEGACY) if found.ok else found
 
 
-class ApexO0(Fp32True):
+class ApexO0(_Legacy, Fp32True):
     name = "apex-O0"
     aliases = ("apex-o0",)
     description = f"APEX O0, {apex.LEGACY}: fp32 training"
 
-    def availability(self, device: str | torch.device = "cpu") -> Availability:
-        return _legacy(super().availability(device))
 
-
-class ApexO1(Fp16Mixed):
+class ApexO1(_Legacy, Fp16Mixed):
     name = "apex-O1"
     aliases = ("apex-o1",)
     description = (f"APEX O1, {apex.LEGACY}: fp32 weights, fp16 autocast (APEX patched torch "
                    "functions with its own op lists), dynamic loss scaling")
 
-    def availability(self, device: str | torch.device = "cpu") -> Availability:
-        return _legacy(super().availability(device))
 
-
-class ApexO2(PrecisionMode):
+class ApexO2(_Legacy, PrecisionMode):
     """fp16 weights except batch norm, fp32 master weights in the optimizer, dynamic loss scaling."""
 
     name = "apex-O2"
@@ -381,9 +379,6 @@ class ApexO2(PrecisionMode):
     def make_scaler(self, device: str | torch.device = "cpu") -> torch.amp.GradScaler:
         return torch.amp.GradScaler(_device_type(device))
 
-    def availability(self, device: str | torch.device = "cpu") -> Availability:
-        return _legacy(super().availability(device))
-
     def master_weights(self, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager:
         return apex.master_step_hooks() if optimizer is None else apex.master_step(optimizer)
 
@@ -393,13 +388,10 @@ class ApexO2(PrecisionMode):
         return Table(found.headers, rows, caption=found.caption)
 
 
-class ApexO3(Fp16True):
+class ApexO3(_Legacy, Fp16True):
     name = "apex-O3"
     aliases = ("apex-o3",)
     description = f"APEX O3, {apex.LEGACY}: pure fp16, no master weights, static loss scale 1"
-
-    def availability(self, device: str | torch.device = "cpu") -> Availability:
-        return _legacy(super().availability(device))
 
 
 MODES: dict[str, PrecisionMode] = {

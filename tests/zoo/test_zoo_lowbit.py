@@ -8,27 +8,11 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
-from zoo_models import BUILDERS, Case
+from zoo_models import BUILDERS, Case, matmul_layers, others_by_type
 
 from ampnb._state import snapshot
 from ampnb.batch import as_batch, step_loss
 from ampnb.lowbit import Adam8bit, Linear4bit, get_lowbit, param_groups, quantize_model, roundtrip
-
-
-def matmul_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Every nn.Linear and transformers Conv1D by name, found by plain isinstance checks."""
-    from transformers.pytorch_utils import Conv1D
-
-    return {n: m for n, m in model.named_modules()
-            if type(m) is nn.Linear or isinstance(m, Conv1D)}
-
-
-def others_by_type(model: nn.Module) -> tuple[tuple[str, int], ...]:
-    """Modules with parameters of their own that are not matmul layers, counted by type."""
-    mm = set(map(id, matmul_layers(model).values()))
-    counts = Counter(type(m).__name__ for m in model.modules()
-                     if id(m) not in mm and list(m.parameters(recurse=False)))
-    return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def model_inputs(case: Case):

@@ -7,6 +7,7 @@ the form its users pass it, and the loss_fn (None: the model's own ModelOutput.l
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -134,3 +135,19 @@ def lstm() -> Case:
 BUILDERS: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2, "bert": bert, "llama": llama, "vit": vit, "resnet": resnet, "lstm": lstm}
 HF = ("gpt2", "bert", "llama", "vit", "resnet")
+
+
+def matmul_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every nn.Linear and transformers Conv1D by name, found by plain isinstance checks."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {n: m for n, m in model.named_modules()
+            if type(m) is nn.Linear or isinstance(m, Conv1D)}
+
+
+def others_by_type(model: nn.Module) -> tuple[tuple[str, int], ...]:
+    """Modules with parameters of their own that are not matmul layers, counted by type."""
+    mm = set(map(id, matmul_layers(model).values()))
+    counts = Counter(type(m).__name__ for m in model.modules()
+                     if id(m) not in mm and list(m.parameters(recurse=False)))
+    return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
