@@ -24,6 +24,17 @@ def _dispatch_mode_depth() -> int:
         return -1
 
 
+def _product_kernels() -> tuple:
+    """Where the CPU kernels of the products ampnb may emulate were registered: an override
+    left behind (by ampnb's fp16 emulation or anyone) shows up as a changed entry."""
+    from ampnb.fp16_kernels import EMULATED
+
+    try:
+        return tuple(sorted(repr(torch.library.get_kernel(op, "CPU")) for op in EMULATED))
+    except (AttributeError, RuntimeError):  # an older torch without get_kernel
+        return ()
+
+
 def _call(fn_path: str, *args: object) -> object:
     """Call a reader that only some torch builds have; None where it is absent or refuses."""
     obj: object = torch
@@ -77,6 +88,7 @@ class TorchState:
     default_device: object = None
     torch_function_mode_depth: object = None
     saved_tensors_hooks: object = None  # the innermost default (pack, unpack) pair, or None
+    product_kernels: tuple = ()  # see _product_kernels
 
 
 def _global_module_hooks() -> int:
@@ -112,4 +124,5 @@ def snapshot() -> TorchState:
         default_device=_call("get_default_device"),
         torch_function_mode_depth=_call("_C._len_torch_function_stack"),
         saved_tensors_hooks=_call("_C._autograd._top_saved_tensors_default_hooks", False),
+        product_kernels=_product_kernels(),
     )

@@ -11,14 +11,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import warnings
+from collections.abc import Iterator
 from enum import StrEnum
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampnb._interrupt import Guard
-from ampnb._tree import map_tensors, tensors
+from ampnb._tree import map_tensors
 from ampnb.device.cpu import cpu_native
 
 aten = torch.ops.aten
@@ -36,62 +37,145 @@ EMULATED = frozenset({
 })
 
 
-def _widen(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype == HALF else t
+def _widen(a: Any) -> Any:
+    """a with its fp16 tensors (also inside a list of them) as fp32; the op's arguments are flat."""
+    if isinstance(a, torch.Tensor):
+        return a.float() if a.dtype == HALF else a
+    if isinstance(a, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in a):
+        return type(a)(_widen(t) for t in a)
+    return a
+
+
+def _dtypes(args: Any) -> Iterator[torch.dtype]:
+    """The dtypes of the tensors among the arguments, in order (into lists of tensors too)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a.dtype
+        elif isinstance(a, (list, tuple)):
+            yield from _dtypes(a)
 
 
 def _meta(t: Any) -> Any:
     return t.to("meta") if isinstance(t, torch.Tensor) else t
 
 
-class Fp16KernelEmulation(TorchDispatchMode):
-    """`with Fp16KernelEmulation():` fp16 matmuls/convolutions/attention/RNNs run as fp32 kernels."""
+def _has_half(args: Any) -> bool:
+    """Whether any tensor among the arguments (or in a list of them, as RNN weights come) is fp16."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.dtype == HALF:
+                return True
+        elif isinstance(a, (list, tuple)) and a and _has_half(a):
+            return True
+    return False
+
+
+class Fp16KernelEmulation:
+    """`with Fp16KernelEmulation():` fp16 matmuls/convolutions/attention/RNNs run as fp32 kernels.
+
+    The emulated ops' CPU kernels are overridden (torch.library) for the block and handed back
+    after it; each override calls torch's own kernel, on widened inputs where one is fp16. Every
+    other op never leaves C++: a dispatch mode would cost a Python call per op, which on a small
+    model's ~650 ops a step is as slow as the arithmetic.
+    """
 
     def __init__(self) -> None:
-        super().__init__()
         self.emulated_ops = 0
-        self._out_dtypes: dict[tuple, tuple[torch.dtype | None, ...]] = {}
+        self._lib: torch.library.Library | None = None
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing here is compiled: skip torch's costly _disable_dynamo wrapper
+    def __enter__(self) -> Fp16KernelEmulation:
+        if self._lib is not None:
+            raise RuntimeError("Fp16KernelEmulation is already entered; make a new one to nest")
+        lib = torch.library.Library("aten", "IMPL")
+        try:
+            with warnings.catch_warnings():  # torch warns once that aten kernels are overridden
+                warnings.filterwarnings("ignore", message="Warning only once for all operators")
+                for op in EMULATED:
+                    lib.impl(op, self._kernel(op, torch.library.get_kernel(op, "CPU")), "CPU",
+                             with_keyset=True)
+        except BaseException:
+            lib._destroy()
+            raise
+        self._lib = lib
+        _LIVE.append(self)
+        return self
 
-    def _dtypes(self, func: Any, args: Any, kwargs: Any) -> tuple[torch.dtype | None, ...]:
-        """The dtypes the native kernel would return (from its meta kernel, cached per input dtypes)."""
-        key = (func, *(t.dtype for t in tensors((args, kwargs))))
-        if key not in self._out_dtypes:
-            try:
-                out = func(*map_tensors(_meta, args), **map_tensors(_meta, kwargs))
-                found = tuple(t.dtype for t in tensors(out))
-            except Exception:  # noqa: BLE001 - no meta kernel: fp32 results become fp16
-                found = ()
-            self._out_dtypes[key] = found
-        return self._out_dtypes[key]
+    def __exit__(self, *exc: object) -> None:
+        lib, self._lib = self._lib, None
+        if lib is not None:
+            _LIVE.remove(self)
+            lib._destroy()  # the previous kernels are back
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func not in EMULATED or not any(t.dtype == HALF for t in tensors((args, kwargs))):
-            return func(*args, **kwargs)
-        wanted = iter(self._dtypes(func, args, kwargs))
-        out = func(*map_tensors(_widen, args), **map_tensors(_widen, kwargs))
-        self.emulated_ops += 1
+    def _kernel(self, op: Any, original: Any) -> Any:
+        """The override of one op: torch's kernel, in fp32 with fp16 results where inputs are fp16."""
+        call = original.call_boxed
 
-        def narrow(t: torch.Tensor) -> torch.Tensor:
-            dtype = next(wanted, HALF if t.dtype == torch.float32 else t.dtype)
-            return t.to(dtype) if dtype is not None and t.dtype != dtype else t
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            if not (_has_half(args) or _has_half(kwargs.values())):
+                return call(keyset, *args, **kwargs)
+            wanted = _out_dtypes(op, args, kwargs)
+            out = call(keyset, *map(_widen, args), **{k: _widen(v) for k, v in kwargs.items()})
+            self.emulated_ops += 1
+            if isinstance(out, torch.Tensor):
+                return _narrow(out, wanted[0] if wanted else None)
+            return type(out)(_narrow(t, wanted[i] if i < len(wanted) else None)
+                             for i, t in enumerate(out))
 
-        return map_tensors(narrow, out)
+        return kernel
+
+
+_LIVE: list[Fp16KernelEmulation] = []  # entered and not yet exited, oldest first
+
+
+def live_emulations() -> int:
+    """How many Fp16KernelEmulation blocks are entered now (0 unless inside one)."""
+    return len(_LIVE)
+
+
+def drop_emulations(keep: int = 0) -> None:
+    """Exit the newest entered emulations until `keep` are left: the safety net after a block
+    an interrupt cut short."""
+    while len(_LIVE) > keep:
+        _LIVE[-1].__exit__(None, None, None)
+
+
+_OUT_DTYPES: dict[tuple, tuple[torch.dtype | None, ...]] = {}
+
+
+def _out_dtypes(op: Any, args: Any, kwargs: Any) -> tuple[torch.dtype | None, ...]:
+    """The dtypes the native kernel would return, per output (from its meta kernel, cached per
+    input dtypes); None for an output that is None."""
+    key = (op, *_dtypes(args), *_dtypes(kwargs.values()))
+    found = _OUT_DTYPES.get(key)
+    if found is None:
+        try:
+            out = op(*map_tensors(_meta, args), **map_tensors(_meta, kwargs))
+            outs = (out,) if isinstance(out, torch.Tensor) else out
+            found = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in outs)
+        except Exception:  # noqa: BLE001 - no meta kernel: fp32 results become fp16
+            found = ()
+        _OUT_DTYPES[key] = found
+    return found
+
+
+def _narrow(t: Any, dtype: torch.dtype | None) -> Any:
+    """An emulated kernel's output in the dtype the native one returns (fp32 → fp16 if unknown)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if dtype is None:
+        dtype = HALF if t.dtype == torch.float32 else t.dtype
+    return t.to(dtype) if t.dtype != dtype else t
 
 
 def emulated_fp16_kernels(enabled: bool = True) -> contextlib.AbstractContextManager:
-    """fp16 products as fp32 kernels rounded once, for the body (`as` gives the mode, or None).
+    """fp16 products as fp32 kernels rounded once, for the body (`as` gives the emulation, or None).
 
-    A Guard: the dispatch mode is pushed whole and always popped, also on an interrupt.
+    A Guard: the kernels are overridden whole and always handed back, also on an interrupt.
     """
     if not enabled:
         return contextlib.nullcontext()
-    mode = Fp16KernelEmulation()
-    return Guard(mode.__enter__, lambda _: mode.__exit__(None, None, None))
+    emulation = Fp16KernelEmulation()
+    return Guard(emulation.__enter__, lambda _: emulation.__exit__(None, None, None))
 
 
 class Fp16Kernels(StrEnum):

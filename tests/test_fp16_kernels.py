@@ -106,9 +106,33 @@ def test_state_is_restored_also_when_the_body_raises():
     assert _state.snapshot() == before
 
 
-def test_the_emulated_op_list_names_real_aten_ops():
+def _cpu_kernel(op) -> str:
+    return repr(torch.library.get_kernel(op, "CPU"))
+
+
+def test_only_the_emulated_ops_kernels_are_overridden_and_all_are_handed_back():
+    """Every other op stays in C++ (a Python dispatch mode made the demo GPT's step 2x slower)."""
     assert all(isinstance(op, torch._ops.OpOverload) for op in EMULATED)
-    assert Fp16KernelEmulation._should_skip_dynamo() is False
+    others = [torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor, torch.ops.aten._to_copy.default,
+              torch.ops.aten.mm.out, torch.ops.aten.gelu.default]
+    before = {op: _cpu_kernel(op) for op in (*EMULATED, *others)}
+    with emulated_fp16_kernels():
+        assert all(_cpu_kernel(op) != before[op] for op in EMULATED)
+        assert all(_cpu_kernel(op) == before[op] for op in others)
+        with emulated_fp16_kernels() as inner:  # nested: the inner one wraps the outer one
+            a = torch.randn(4, 4).half()
+            assert torch.equal(torch.mm(a, a), torch.mm(a.float(), a.float()).half())
+            assert inner.emulated_ops == 1
+    assert all(_cpu_kernel(op) == before[op] for op in (*EMULATED, *others))
+
+
+def test_an_emulation_cannot_be_entered_twice():
+    before, emulation = _state.snapshot(), Fp16KernelEmulation()
+    with emulation:
+        assert _state.snapshot().product_kernels != before.product_kernels  # the check sees it
+        with pytest.raises(RuntimeError, match="already entered"):
+            emulation.__enter__()
+    assert _state.snapshot() == before
 
 
 def _train_16_mixed(name: str, emulate: bool, steps: int) -> tuple[list[float], list[float]]:

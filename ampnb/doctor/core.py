@@ -23,6 +23,7 @@ from ampnb.doctor.recommend import ISLAND_MODES, Tolerance, choose, islands
 from ampnb.doctor.report import DoctorReport
 from ampnb.doctor.run import Setup, StepResult, measure, time_steps
 from ampnb.formats import get_format
+from ampnb.fp16_kernels import drop_emulations, live_emulations
 from ampnb.modes import get_mode
 
 SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed once
@@ -41,17 +42,18 @@ class Progress:
 
 def _save() -> tuple:
     return (torch.get_default_dtype(), tf32_state(), torch.is_grad_enabled(),
-            len(_dispatch_stack()))
+            len(_dispatch_stack()), live_emulations())
 
 
 def _restore(saved: tuple) -> None:
     """Safety net under the with-blocks: what an interrupt inside torch's own set-up could leave."""
-    dtype, tf32, grad, depth = saved
+    dtype, tf32, grad, depth, emulations = saved
     torch.set_default_dtype(dtype)
     restore_tf32(tf32)
     torch.set_grad_enabled(grad)
     while len(_dispatch_stack()) > depth:  # a dispatch mode pushed but never popped
         _pop_mode()
+    drop_emulations(keep=emulations)  # fp16 kernel overrides never handed back
 
 
 def _dispatch_stack() -> list:

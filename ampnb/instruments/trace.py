@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampnb._interrupt import Guard
+from ampnb._interrupt import Guard, critical
 from ampnb._tree import tensors
 from ampnb.display import Table, TableView, dtype_name
 
@@ -66,6 +66,7 @@ class internal(Guard):  # noqa: N801 - used like a function: `with internal():`
     def __init__(self) -> None:
         super().__init__(_deeper, _restore_depth)
 
+    @critical  # an interrupt here would be lost ("exception ignored") with the depth unrestored
     def __del__(self) -> None:
         # An interrupt at the `with` line on the way out skips __exit__ (Python 3.11); the
         # guard is freed as the interrupt unwinds the frame, so the depth is restored here.
