@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import warnings
 from collections.abc import Iterator
 from enum import StrEnum
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from ampnb._interrupt import Guard
+from ampnb._kernels import KernelOverride
 from ampnb._tree import map_tensors
 from ampnb.device.cpu import cpu_native
 
@@ -70,73 +70,31 @@ def _has_half(args: Any) -> bool:
     return False
 
 
-class Fp16KernelEmulation:
+class Fp16KernelEmulation(KernelOverride):
     """`with Fp16KernelEmulation():` fp16 matmuls/convolutions/attention/RNNs run as fp32 kernels.
 
-    The emulated ops' CPU kernels are overridden (torch.library) for the block and handed back
-    after it; each override calls torch's own kernel, on widened inputs where one is fp16. Every
-    other op never leaves C++: a dispatch mode would cost a Python call per op, which on a small
-    model's ~650 ops a step is as slow as the arithmetic.
+    Only the emulated ops' CPU kernels are overridden (`ampnb._kernels`): torch's own kernel
+    runs, on widened inputs where one is fp16, and its results are rounded once.
     """
 
     def __init__(self) -> None:
-        self.emulated_ops = 0
-        self._lib: torch.library.Library | None = None
+        super().__init__(EMULATED, ("CPU",))
 
-    def __enter__(self) -> Fp16KernelEmulation:
-        if self._lib is not None:
-            raise RuntimeError("Fp16KernelEmulation is already entered; make a new one to nest")
-        lib = torch.library.Library("aten", "IMPL")
-        try:
-            with warnings.catch_warnings():  # torch warns once that aten kernels are overridden
-                warnings.filterwarnings("ignore", message="Warning only once for all operators")
-                for op in EMULATED:
-                    lib.impl(op, self._kernel(op, torch.library.get_kernel(op, "CPU")), "CPU",
-                             with_keyset=True)
-        except BaseException:
-            lib._destroy()
-            raise
-        self._lib = lib
-        _LIVE.append(self)
-        return self
+    @property
+    def emulated_ops(self) -> int:
+        """How many calls ran emulated (had an fp16 input)."""
+        return self.overridden
 
-    def __exit__(self, *exc: object) -> None:
-        lib, self._lib = self._lib, None
-        if lib is not None:
-            _LIVE.remove(self)
-            lib._destroy()  # the previous kernels are back
-
-    def _kernel(self, op: Any, original: Any) -> Any:
-        """The override of one op: torch's kernel, in fp32 with fp16 results where inputs are fp16."""
-        call = original.call_boxed
-
-        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-            if not (_has_half(args) or _has_half(kwargs.values())):
-                return call(keyset, *args, **kwargs)
-            wanted = _out_dtypes(op, args, kwargs)
-            out = call(keyset, *map(_widen, args), **{k: _widen(v) for k, v in kwargs.items()})
-            self.emulated_ops += 1
-            if isinstance(out, torch.Tensor):
-                return _narrow(out, wanted[0] if wanted else None)
-            return type(out)(_narrow(t, wanted[i] if i < len(wanted) else None)
-                             for i, t in enumerate(out))
-
-        return kernel
-
-
-_LIVE: list[Fp16KernelEmulation] = []  # entered and not yet exited, oldest first
-
-
-def live_emulations() -> int:
-    """How many Fp16KernelEmulation blocks are entered now (0 unless inside one)."""
-    return len(_LIVE)
-
-
-def drop_emulations(keep: int = 0) -> None:
-    """Exit the newest entered emulations until `keep` are left: the safety net after a block
-    an interrupt cut short."""
-    while len(_LIVE) > keep:
-        _LIVE[-1].__exit__(None, None, None)
+    def run(self, op: Any, call: Any, args: tuple, kwargs: dict) -> Any:
+        if not (_has_half(args) or _has_half(kwargs.values())):
+            return call(*args, **kwargs)
+        wanted = _out_dtypes(op, args, kwargs)
+        out = call(*map(_widen, args), **{k: _widen(v) for k, v in kwargs.items()})
+        self.overridden += 1
+        if isinstance(out, torch.Tensor):
+            return _narrow(out, wanted[0] if wanted else None)
+        return type(out)(_narrow(t, wanted[i] if i < len(wanted) else None)
+                         for i, t in enumerate(out))
 
 
 _OUT_DTYPES: dict[tuple, tuple[torch.dtype | None, ...]] = {}

@@ -103,3 +103,25 @@ def test_the_workbench_refuses_emulate_and_bad_values_and_changes_nothing(bad):
     with pytest.raises(ValueError, match="allowed: True, False, 'on', 'off' or None") as err:
         wb.set(tf32=bad)
     assert "\n" not in str(err.value) and wb.tf32 is True
+
+
+def test_tf32_emulation_rounds_convolution_factors_forward_and_backward():
+    """Conv and its backward see TF32-rounded factors; no Python dispatch mode is pushed."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 3, 9, 9, generator=g), torch.randn(4, 3, 3, 3, generator=g)
+    gy = torch.randn(2, 4, 7, 7, generator=g)
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with tf32_context("emulate") as emulation:
+        assert not _get_current_dispatch_mode_stack()
+        y = torch.nn.functional.conv2d(xe, we)
+        y.backward(gy)
+    xr, wr = quantize(x, "tf32").requires_grad_(), quantize(w, "tf32").requires_grad_()
+    ref = torch.nn.functional.conv2d(xr, wr)
+    assert torch.equal(y, ref) and not torch.equal(y, torch.nn.functional.conv2d(x, w))
+    gx, gw = torch.ops.aten.convolution_backward.default(
+        quantize(gy, "tf32"), xr.detach(), wr.detach(), None, [1, 1], [0, 0], [1, 1], False,
+        [0, 0], 1, [True, True, False])[:2]
+    assert torch.equal(xe.grad, gx) and torch.equal(we.grad, gw)
+    assert emulation.rounded_ops == 2

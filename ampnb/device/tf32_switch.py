@@ -9,9 +9,9 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampnb._interrupt import Guard, deferred
+from ampnb._kernels import KernelOverride
 from ampnb.device.hardware import AMPERE_CC, DeviceInfo, get_device
 from ampnb.formats import quantize
 
@@ -220,16 +220,15 @@ def tf32_effect(device: str | torch.device | DeviceInfo = "cpu") -> str:
 
 aten = torch.ops.aten
 # Which arguments of each op are the factors of a product that TF32 tensor cores would
-# round (a bias added afterwards is not rounded).
+# round (a bias added afterwards is not rounded). Composite ops (matmul, linear) reach these.
 _FACTORS: dict[object, tuple[int, ...]] = {
-    aten.mm: (0, 1),
-    aten.bmm: (0, 1),
-    aten.matmul: (0, 1),
-    aten.addmm: (1, 2),
-    aten.baddbmm: (1, 2),
-    aten.addbmm: (1, 2),
-    aten.convolution: (0, 1),
-    aten.convolution_backward: (0, 1, 2),
+    aten.mm.default: (0, 1),
+    aten.bmm.default: (0, 1),
+    aten.addmm.default: (1, 2),
+    aten.baddbmm.default: (1, 2),
+    aten.addbmm.default: (1, 2),
+    aten.convolution.default: (0, 1),
+    aten.convolution_backward.default: (0, 1, 2),
 }
 
 
@@ -239,33 +238,21 @@ def _round(x: object) -> object:
     return x
 
 
-class TF32Emulation(TorchDispatchMode):
+class TF32Emulation(KernelOverride):
     """Round the fp32 factors of every matmul and convolution to TF32 before it runs."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.rounded_ops = 0
+        super().__init__(_FACTORS, ("CPU", "CUDA"))
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch otherwise wraps __torch_dispatch__ in torch._disable_dynamo, whose first call
-        # imports all of torch._dynamo (seconds); nothing here is ever compiled.
-        return False
+    @property
+    def rounded_ops(self) -> int:
+        """How many products had their factors rounded."""
+        return self.overridden
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        which = _FACTORS.get(func.overloadpacket)
-        if which is not None:
-            args = tuple(_round(a) if i in which else a for i, a in enumerate(args))
-            self.rounded_ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _push(mode: TorchDispatchMode) -> TorchDispatchMode:
-    return mode.__enter__()
-
-
-def _pop(mode: TorchDispatchMode) -> None:
-    mode.__exit__(None, None, None)
+    def run(self, op: Any, call: Any, args: tuple, kwargs: dict) -> Any:
+        which = _FACTORS[op]
+        self.overridden += 1
+        return call(*(_round(a) if i in which else a for i, a in enumerate(args)), **kwargs)
 
 
 def tf32_context(setting: object,

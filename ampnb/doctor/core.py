@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import Guard
+from ampnb._kernels import drop_overrides, live_overrides
 from ampnb.batch import as_batch
 from ampnb.device import get_device, restore_tf32, tf32_state
 from ampnb.doctor.candidates import REFERENCE, Candidate, candidates
@@ -23,7 +24,6 @@ from ampnb.doctor.recommend import ISLAND_MODES, Tolerance, choose, islands
 from ampnb.doctor.report import DoctorReport
 from ampnb.doctor.run import Setup, StepResult, measure, time_steps
 from ampnb.formats import get_format
-from ampnb.fp16_kernels import drop_emulations, live_emulations
 from ampnb.modes import get_mode
 
 SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed once
@@ -42,18 +42,18 @@ class Progress:
 
 def _save() -> tuple:
     return (torch.get_default_dtype(), tf32_state(), torch.is_grad_enabled(),
-            len(_dispatch_stack()), live_emulations())
+            len(_dispatch_stack()), live_overrides())
 
 
 def _restore(saved: tuple) -> None:
     """Safety net under the with-blocks: what an interrupt inside torch's own set-up could leave."""
-    dtype, tf32, grad, depth, emulations = saved
+    dtype, tf32, grad, depth, overrides = saved
     torch.set_default_dtype(dtype)
     restore_tf32(tf32)
     torch.set_grad_enabled(grad)
     while len(_dispatch_stack()) > depth:  # a dispatch mode pushed but never popped
         _pop_mode()
-    drop_emulations(keep=emulations)  # fp16 kernel overrides never handed back
+    drop_overrides(keep=overrides)  # kernel overrides never handed back
 
 
 def _dispatch_stack() -> list:
