@@ -9,13 +9,17 @@ kernel (`torch.library.get_kernel`), and the previous kernels are back on exit.
 
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-_LIVE: list[KernelOverride] = []  # entered and not yet exited, oldest first
+_LOCK = threading.Lock()
+_active: tuple[KernelOverride, ...] = ()  # entered and not yet exited, oldest first
+_registered: dict[tuple[Any, str], torch.library.Library] = {}  # (op, key) -> its one override
 
 
 def _device_keys(keys: Iterable[str]) -> tuple[str, ...]:
@@ -26,58 +30,85 @@ def _device_keys(keys: Iterable[str]) -> tuple[str, ...]:
 class KernelOverride:
     """`with KernelOverride(ops, keys):` each op's kernel on those keys runs through `run`.
 
-    Subclasses define `run(op, call, args, kwargs)`; `call(*args, **kwargs)` is torch's own
-    kernel. `overridden` counts the calls that `run` changed (subclasses add to it).
+    Subclasses define `run(op, call, args, kwargs)`; `call(*args, **kwargs)` runs the kernel
+    below (torch's own, or an older override's `run`). `overridden` counts the calls that
+    `run` changed (subclasses add to it). The override is process-wide while entered, as
+    torch's kernels are; blocks may end in any order (threads, generators).
     """
 
     def __init__(self, ops: Iterable[Any], keys: Iterable[str] = ("CPU",)) -> None:
-        self.ops, self.keys = tuple(ops), _device_keys(keys)
+        self.ops, self.keys = frozenset(ops), _device_keys(keys)
         self.overridden = 0
-        self._lib: torch.library.Library | None = None
 
     def run(self, op: Any, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return call(*args, **kwargs)
 
     def __enter__(self) -> KernelOverride:
-        if self._lib is not None:
-            raise RuntimeError(f"this {type(self).__name__} is already entered; make a new one to nest")
-        lib = torch.library.Library("aten", "IMPL")
-        try:
-            with warnings.catch_warnings():  # torch warns once that aten kernels are overridden
-                warnings.filterwarnings("ignore", message="Warning only once for all operators")
+        global _active
+        with _LOCK:
+            if self in _active:
+                raise RuntimeError(f"this {type(self).__name__} is already entered; make a new "
+                                   "one to nest")
+            try:
                 for key in self.keys:
                     for op in self.ops:
-                        lib.impl(op, self._kernel(op, torch.library.get_kernel(op, key)), key,
-                                 with_keyset=True)
-        except BaseException:
-            lib._destroy()
-            raise
-        self._lib = lib
-        _LIVE.append(self)
+                        if (op, key) not in _registered:
+                            _registered[(op, key)] = _register(op, key)
+            except BaseException:
+                _unregister_unused()
+                raise
+            _active = (*_active, self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        lib, self._lib = self._lib, None
-        if lib is not None:
-            _LIVE.remove(self)
-            lib._destroy()  # the previous kernels are back
+        global _active
+        with _LOCK:
+            if self in _active:
+                _active = tuple(o for o in _active if o is not self)
+                _unregister_unused()  # the previous kernels are back where none needs ours
 
-    def _kernel(self, op: Any, original: Any) -> Callable[..., Any]:
-        boxed = original.call_boxed
 
-        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-            return self.run(op, lambda *a, **k: boxed(keyset, *a, **k), args, kwargs)
+def _register(op: Any, key: str) -> torch.library.Library:
+    """ampnb's one override of (op, key): torch's kernel wrapped by every active override."""
+    boxed = torch.library.get_kernel(op, key).call_boxed
 
-        return kernel
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            return boxed(keyset, *a, **k)
+        for override in _active:  # the oldest is innermost, as nested blocks would be
+            if op in override.ops and key in override.keys:
+                call = functools.partial(_step, override, op, call)
+        return call(*args, **kwargs)
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # torch warns once that aten kernels are overridden
+            warnings.filterwarnings("ignore", message="Warning only once for all operators")
+            lib.impl(op, kernel, key, with_keyset=True)
+    except BaseException:
+        lib._destroy()
+        raise
+    return lib
+
+
+def _step(override: KernelOverride, op: Any, call: Callable[..., Any], *args: Any,
+          **kwargs: Any) -> Any:
+    return override.run(op, call, args, kwargs)
+
+
+def _unregister_unused() -> None:
+    needed = {(op, key) for o in _active for key in o.keys for op in o.ops}
+    for pair in [p for p in _registered if p not in needed]:
+        _registered.pop(pair)._destroy()
 
 
 def live_overrides() -> int:
     """How many kernel overrides are entered now (0 outside every ampnb block)."""
-    return len(_LIVE)
+    return len(_active)
 
 
 def drop_overrides(keep: int = 0) -> None:
     """Exit the newest overrides until `keep` are left: the safety net after a block an
     interrupt cut short."""
-    while len(_LIVE) > keep:
-        _LIVE[-1].__exit__(None, None, None)
+    while len(_active) > keep:
+        _active[-1].__exit__(None, None, None)

@@ -220,3 +220,20 @@ def test_the_support_table_labels_fp16_modes_with_the_measured_slowdown():
         assert "emulated" not in support("bf16-mixed", "cpu").reason
     with cpu_features_as({"avx512_fp16"}):
         assert support("16-mixed", "cpu").native
+
+
+def test_blocks_may_end_in_any_order():
+    """Two emulations (threads, generators) ending oldest first: the newer one still works,
+    and torch's kernels are back once both ended (one override per op, shared)."""
+    before = {op: _cpu_kernel(op) for op in EMULATED}
+    a = torch.randn(5, 5).half()
+    older, newer = Fp16KernelEmulation(), Fp16KernelEmulation()
+    older.__enter__()
+    newer.__enter__()
+    older.__exit__(None, None, None)
+    try:
+        assert torch.equal(torch.mm(a, a), torch.mm(a.float(), a.float()).half())
+        assert newer.emulated_ops == 1 and older.emulated_ops == 0
+    finally:
+        newer.__exit__(None, None, None)
+    assert {op: _cpu_kernel(op) for op in EMULATED} == before
