@@ -215,6 +215,20 @@ def _dtype(dtype: torch.dtype) -> str:
     return name
 
 
+def _row(func: Any, phase: str, module: str, in_dt: tuple[str, ...], out_dt: str,
+         cast_from: tuple[str, ...]) -> OpRow:
+    """One op's record; a view computes nothing, so it is "other" and passes marks along."""
+    op = _op_name(func)
+    cat = "other" if func.is_view else category(op, in_dt, out_dt, cast_from)
+    return OpRow(op, module, phase, in_dt, out_dt, cast_from, cat)
+
+
+def _summary_row(func: Any, backward: bool, ins: tuple[torch.dtype, ...],
+                 out: torch.dtype | None, cast_from: tuple[str, ...]) -> OpRow:
+    return _row(func, "backward" if backward else "forward", "", tuple(map(_dtype, ins)),
+                _dtype(out) if out is not None else "", cast_from)
+
+
 def current_node_module() -> tuple[str, str]:
     """(phase, module) of the op running now: backward ops belong to the module of their node."""
     node = torch._C._current_autograd_node()
@@ -254,6 +268,12 @@ class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
         finally:
             self.paths.detach()
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch otherwise wraps __torch_dispatch__ in torch._disable_dynamo: a Python wrapper
+        # call on every op (and an import of torch._dynamo on the first); nothing is compiled.
+        return False
+
     def where(self) -> tuple[str, str]:
         """(phase, module) of the op being dispatched."""
         phase, module = current_node_module()
@@ -288,7 +308,9 @@ class OpTrace(TableView, OpWatch):
         self.limit = limit if detail == "full" else 0
         self.rows: list[OpRow] = []
         self._grouped: Counter[OpRow] = Counter()
-        self._fast: Counter[tuple] = Counter()  # detail="summary": OpRow fields, made on reading
+        # detail="summary": (func, phase is backward, input dtypes, output dtype, cast marks);
+        # names and categories are made once per distinct key, on reading
+        self._fast: Counter[tuple] = Counter()
         # cast tensor -> dtype before: id -> (weak ref, dtype); a dict lookup per input is the
         # common case, and WeakIdKeyDictionary made a weak reference for every lookup.
         self._source: dict[int, tuple[weakref.ref, str]] = {}
@@ -309,7 +331,7 @@ class OpTrace(TableView, OpWatch):
         """How often each distinct row ran (all ops, also past `limit`)."""
         if self._fast:
             for key, n in self._fast.items():
-                self._grouped[OpRow(*key)] += n
+                self._grouped[_summary_row(*key)] += n
             self._fast.clear()
         return self._grouped
 
@@ -317,29 +339,20 @@ class OpTrace(TableView, OpWatch):
         ins = _op_tensors(args, kwargs)
         outs = [out] if isinstance(out, torch.Tensor) else _op_tensors(
             out if isinstance(out, (list, tuple)) else (), {})
-        op = _op_name(func)
-        in_dt = tuple(_dtype(t.dtype) for t in ins)
-        out_dt = _dtype(outs[0].dtype) if outs else ""
         marks = [self._cast_mark(t) for t in ins] if self._source else []
-        cast_from = tuple(dict.fromkeys(m for m in marks if m))
         if outs and ins:
             if func is _TO_COPY and ins[0].dtype != outs[0].dtype and ins[0].is_floating_point():
-                self._mark(outs[0], (marks[0] if marks else None) or in_dt[0])
+                self._mark(outs[0], (marks[0] if marks else None) or _dtype(ins[0].dtype))
             elif func.is_view and marks and marks[0]:
                 self._mark(outs[0], marks[0])
-        if func.is_view:  # a view computes nothing: it passes its input's cast mark along
-            cast_from, cat = (), "other"
-        else:
-            cat = category(op, in_dt, out_dt, cast_from)
-        if self.detail != "full":  # no module: only the phase, one C call
-            phase = "forward" if torch._C._current_autograd_node() is None else "backward"
-            module = ""
-        else:
-            phase, module = self.where()
-        if self.detail != "full":  # a tuple hashes faster than a frozen dataclass
-            self._fast[(op, module, phase, in_dt, out_dt, cast_from, cat)] += 1
+        cast_from = () if func.is_view else tuple(dict.fromkeys(m for m in marks if m))
+        if self.detail != "full":  # counts only: dtypes kept raw, one C call for the phase
+            self._fast[(func, torch._C._current_autograd_node() is not None,
+                        tuple(t.dtype for t in ins), outs[0].dtype if outs else None,
+                        cast_from)] += 1
             return
-        row = OpRow(op, module, phase, in_dt, out_dt, cast_from, cat)
+        row = _row(func, *self.where(), tuple(_dtype(t.dtype) for t in ins),
+                   _dtype(outs[0].dtype) if outs else "", cast_from)
         self._grouped[row] += 1
         if len(self.rows) < self.limit:
             self.rows.append(row)
