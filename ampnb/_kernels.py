@@ -4,7 +4,8 @@ fp16 emulation (fp32 kernels on fp16 inputs) and TF32 emulation (factors rounded
 change a handful of products and nothing else. Overriding those ops' kernels (torch.library)
 keeps every other op in C++; a Python dispatch mode would cost a Python call per op, which on
 a small model's ~650 ops a step is as slow as the arithmetic. Each override calls torch's own
-kernel (`torch.library.get_kernel`), and the previous kernels are back on exit.
+kernel (`torch.library.get_kernel`), and the previous kernels are back on exit. torch < 2.9
+has no `get_kernel`: there the same overrides run through a dispatch mode (slower, same results).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+_GET_KERNEL = hasattr(torch.library, "get_kernel")  # torch >= 2.9
 _LOCK = threading.Lock()
 _active: tuple[KernelOverride, ...] = ()  # entered and not yet exited, oldest first
 _registered: dict[tuple[Any, str], torch.library.Library] = {}  # (op, key) -> its one override
@@ -39,6 +42,7 @@ class KernelOverride:
     def __init__(self, ops: Iterable[Any], keys: Iterable[str] = ("CPU",)) -> None:
         self.ops, self.keys = frozenset(ops), _device_keys(keys)
         self.overridden = 0
+        self._mode: _Mode | None = None  # torch < 2.9 only
 
     def run(self, op: Any, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return call(*args, **kwargs)
@@ -49,14 +53,19 @@ class KernelOverride:
             if self in _active:
                 raise RuntimeError(f"this {type(self).__name__} is already entered; make a new "
                                    "one to nest")
-            try:
-                for key in self.keys:
-                    for op in self.ops:
-                        if (op, key) not in _registered:
-                            _registered[(op, key)] = _register(op, key)
-            except BaseException:
-                _unregister_unused()
-                raise
+            if not _GET_KERNEL:
+                mode = _Mode(self)
+                mode.__enter__()
+                self._mode = mode
+            else:
+                try:
+                    for key in self.keys:
+                        for op in self.ops:
+                            if (op, key) not in _registered:
+                                _registered[(op, key)] = _register(op, key)
+                except BaseException:
+                    _unregister_unused()
+                    raise
             _active = (*_active, self)
         return self
 
@@ -65,6 +74,9 @@ class KernelOverride:
         with _LOCK:
             if self in _active:
                 _active = tuple(o for o in _active if o is not self)
+                mode, self._mode = self._mode, None
+                if mode is not None:
+                    mode.__exit__(None, None, None)
                 _unregister_unused()  # the previous kernels are back where none needs ours
 
 
@@ -94,6 +106,33 @@ def _register(op: Any, key: str) -> torch.library.Library:
 def _step(override: KernelOverride, op: Any, call: Callable[..., Any], *args: Any,
           **kwargs: Any) -> Any:
     return override.run(op, call, args, kwargs)
+
+
+class _Mode(TorchDispatchMode):
+    """The same override as a dispatch mode, for torch < 2.9 (a Python call per op)."""
+
+    def __init__(self, override: KernelOverride) -> None:
+        super().__init__()
+        self.override = override
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # nothing is compiled here: skip torch's per-op _disable_dynamo wrapper
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        o = self.override
+        if func in o.ops and _key(args) in o.keys:
+            return o.run(func, func, tuple(args), kwargs)
+        return func(*args, **kwargs)
+
+
+def _key(args: Any) -> str:
+    """The backend dispatch key of an op's first tensor argument ("CPU", "CUDA"...)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type.upper()
+    return ""
 
 
 def _unregister_unused() -> None:

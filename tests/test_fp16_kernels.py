@@ -237,3 +237,46 @@ def test_blocks_may_end_in_any_order():
     finally:
         newer.__exit__(None, None, None)
     assert {op: _cpu_kernel(op) for op in EMULATED} == before
+
+
+def _small_step(monkeypatch, kernels: bool):
+    """A conv + linear forward and backward under fp16 emulation, then a TF32-emulated product,
+    with the override running as torch.library kernels or (torch < 2.9) a dispatch mode."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from ampnb import _kernels
+    from ampnb.device import tf32_context
+
+    monkeypatch.setattr(_kernels, "_GET_KERNEL", kernels)
+    torch.manual_seed(0)
+    conv, lin = nn.Conv2d(3, 4, 3).half(), nn.Linear(36, 5).half()
+    x = torch.randn(2, 3, 8, 8).half().requires_grad_()
+    before = _state.snapshot()
+    with emulated_fp16_kernels() as emulation:
+        assert bool(_get_current_dispatch_mode_stack()) is not kernels
+        y = lin(conv(x).flatten(1)[:, :36])
+        y.float().sum().backward()
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with tf32_context("emulate") as tf32:
+        z = a @ b
+    assert _state.snapshot() == before
+    assert emulation.emulated_ops >= 4 and tf32.rounded_ops == 1
+    return [y, x.grad, conv.weight.grad, lin.weight.grad, z]
+
+
+def test_the_dispatch_mode_fallback_for_older_torch_computes_exactly_the_same(monkeypatch):
+    from ampnb.formats import quantize
+
+    got = _small_step(monkeypatch, kernels=True)
+    old = _small_step(monkeypatch, kernels=False)
+    assert all(torch.equal(g, o) and g.dtype == o.dtype for g, o in zip(got, old))
+    # and both are the fp32 kernels on the fp16 values, each result rounded once
+    torch.manual_seed(0)
+    conv, lin = nn.Conv2d(3, 4, 3).half(), nn.Linear(36, 5).half()
+    x = torch.randn(2, 3, 8, 8).half()
+    c = nn.functional.conv2d(x.float(), conv.weight.float(), conv.bias.float()).half()
+    y = nn.functional.linear(c.flatten(1)[:, :36].float(), lin.weight.float(),
+                             lin.bias.float()).half()
+    assert torch.equal(got[0], y)
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    assert torch.equal(got[4], quantize(a, "tf32") @ quantize(b, "tf32"))

@@ -51,9 +51,9 @@ def _restore(saved: tuple) -> None:
     torch.set_default_dtype(dtype)
     restore_tf32(tf32)
     torch.set_grad_enabled(grad)
+    drop_overrides(keep=overrides)  # kernel overrides never handed back (their modes, on old torch)
     while len(_dispatch_stack()) > depth:  # a dispatch mode pushed but never popped
         _pop_mode()
-    drop_overrides(keep=overrides)  # kernel overrides never handed back
 
 
 def _dispatch_stack() -> list:
