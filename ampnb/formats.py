@@ -210,6 +210,8 @@ def quantize(x: torch.Tensor, fmt: str | torch.dtype | FloatFormat,
         raise ValueError(f"quantize needs a floating-point tensor, got {got}")
     if saturate is not None and not isinstance(saturate, bool):
         raise ValueError(f"saturate must be True, False or None (what torch's cast does), got {saturate!r}")
+    if _fp32_field(f) and x.dtype == torch.float32 and saturate is not True:
+        return _round_fp32_bits(x, f)
     if x.dtype == torch.float64 and f.mantissa_bits < 23:
         work = x.float()
     else:
@@ -228,6 +230,26 @@ def quantize(x: torch.Tensor, fmt: str | torch.dtype | FloatFormat,
     if nan.any():
         q = torch.where(nan, _nan_of(x, f), q.to(x.dtype))
     return q.to(x.dtype)
+
+
+def _fp32_field(f: FloatFormat) -> bool:
+    """f is fp32 with fewer mantissa bits (tf32, bf16): same exponent field, IEEE inf/NaN, so
+    rounding is integer arithmetic on fp32's bits, and overflow gives inf as IEEE does."""
+    return (f.exponent_bits == 8 and f.bias == 127 and f.encoding is Encoding.IEEE
+            and f.mantissa_bits < 23 and f.torch_overflow == "inf")
+
+
+def _round_fp32_bits(x: torch.Tensor, f: FloatFormat) -> torch.Tensor:
+    """Round-to-nearest-even on fp32's bits: add half an ulp minus one plus the kept lsb, drop
+    the low bits. A carry runs into the exponent (to inf past the max), subnormals included;
+    four passes where the general path takes a dozen (TF32 emulation runs it on every product)."""
+    drop = 23 - f.mantissa_bits
+    bits = x.view(torch.int32)
+    lsb = torch.bitwise_right_shift(bits, drop).bitwise_and_(1)
+    out = lsb.add_(bits).add_((1 << (drop - 1)) - 1).bitwise_and_(~((1 << drop) - 1))
+    out = out.view(torch.float32)
+    nan = torch.isnan(x)
+    return torch.where(nan, _nan_of(x, f), out) if nan.any() else out
 
 
 def _nan_of(x: torch.Tensor, f: FloatFormat) -> torch.Tensor:

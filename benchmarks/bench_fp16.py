@@ -95,12 +95,40 @@ def _compare_and_doctor() -> list[Result]:
                    doctored, "<= 30 s (seconds, not minutes)", doctored <= 30)]
 
 
+def _tf32_emulated(label: str, build, repeat: int) -> Result:
+    """32-true with TF32 emulated (products' factors rounded, the same kernel overrides as the
+    fp16 emulation) against plain 32-true: what seeing TF32's effect costs on a CPU."""
+    from ampnb.batch import as_batch, step_loss
+    from ampnb.device import tf32_context
+
+    model, opt, loss_fn, batches = build()
+    run = as_batch(batches[0], loss_fn)
+
+    def plain() -> None:
+        opt.zero_grad(set_to_none=True)
+        step_loss(run.call(model), run, loss_fn).backward()
+        opt.step()
+
+    def emulated() -> None:
+        with tf32_context("emulate"):
+            plain()
+
+    with one_thread():
+        t = interleaved_medians({"32-true": plain, "TF32 emulated": emulated}, repeat=repeat,
+                                warmup=1, clock=time.thread_time)
+    ratio = t["TF32 emulated"] / t["32-true"]
+    return Result(f"32-true with TF32 emulated vs 32-true step, {label}",
+                  f"TF32 emulated {ms(t['TF32 emulated'])}, 32-true {ms(t['32-true'])}", ratio,
+                  "reported", None)
+
+
 def run() -> list[Result]:
     from ampnb.device.cpu import cpu_model
 
     results = _step_ratios("issue's MLP 512-2048-512, batch 256", _mlp, native=True, repeat=5)
     results += _step_ratios("demo GPT", lambda: _demo("gpt"), native=True, repeat=7)
     results += _step_ratios("GPT-2 from config, 5M params", _gpt2, native=False, repeat=5)
+    results.append(_tf32_emulated("demo GPT", lambda: _demo("gpt"), repeat=7))
     results += _compare_and_doctor()
     cpu = cpu_model()
     return [Result(r.name + f" [{cpu}]", r.figure, r.ratio, r.goal, r.ok) for r in results]
