@@ -143,27 +143,39 @@ def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> int:
     return int(t.bitwise_xor_(_SIGN).amin()) - _SIGN + 1
 
 
-def _one_segment(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, list[int]]:
+def _one_segment(x: torch.Tensor, plan: _Plan, absolute: bool = False
+                 ) -> tuple[torch.Tensor, list[int]]:
     """Counts of key >= each threshold, and the (amax, min |x|>0) bits, of one flat tensor."""
     n = x.numel()
     size = n if x.is_cuda else min(n, _CHUNK)
     with _buffers(size, x.device) as bufs:
-        table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device))
-    below = torch.cat([table.new_zeros(1), table.cumsum(0)])  # below[k] = how many keys < k
-    ge = n - below[torch.tensor(plan.thresholds, device=x.device)]
-    return ge[None], [hi, lo]
+        table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device), absolute)
+    # how many keys >= t = n - how many keys < t = n - cumsum[t - 1] (none below key 0)
+    below = table.cumsum(0).index_select(0, _below_index(plan, x.device))
+    if plan.thresholds[0] == 0:
+        below[0] = 0
+    return (n - below)[None], [hi, lo]
 
 
-def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor
-                  ) -> tuple[torch.Tensor, int, int]:
-    """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0."""
+@functools.lru_cache(maxsize=16)
+def _below_index(plan: _Plan, device: torch.device) -> torch.Tensor:
+    return torch.tensor([max(t - 1, 0) for t in plan.thresholds], device=device)
+
+
+def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor,
+                  absolute: bool = False) -> tuple[torch.Tensor, int, int]:
+    """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0.
+    absolute: x already holds |x| (as staged by capture), so its bits are used as they are."""
     b, k, t = bufs
     n, size = x.numel(), b.numel()
     table, hi, lo = None, -1, _INF_BITS
     for s in range(0, n, size):
         part = x[s:s + size]
         bb, kk, tt = b[:part.numel()], k[:part.numel()], t[:part.numel()]
-        torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bb)
+        if absolute:
+            bb = part.view(torch.int32)
+        else:
+            torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bb)
         cmin, cmax = (int(v) for v in torch.aminmax(bb))
         # Exact extremes cost a masked pass only where zeros or inf/NaN are present.
         hi = max(hi, cmax if cmax < _INF_BITS else _finite_max(bb, kk))
@@ -193,35 +205,44 @@ def _bincount(k: torch.Tensor) -> torch.Tensor:
     return torch.bincount(k[:half], minlength=_KEYS).add_(other.result())
 
 
-def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
-                   ) -> tuple[torch.Tensor, list[int]]:
+def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
+                   absolute: bool = False) -> tuple[torch.Tensor, list[int]]:
     """The same for each short segment of a flat tensor: keys mapped to classes, counted by
     (segment, class) in one bincount."""
     nseg, nc, dev = len(lengths), len(plan.thresholds), x.device
     with _buffers(x.numel(), dev) as (b, k, t):
-        torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
+        if absolute:
+            b = x.view(torch.int32)
+        else:
+            torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
         # Per segment (max, min) of |x|'s bits; redone masked where zeros or inf/NaN spoil them.
-        parts = b.split(list(lengths))  # one call for all the views: slicing costs per call
+        parts = b.split(lengths)  # one call for all the views: slicing costs per call
         ext = torch.stack([v for p in parts for v in reversed(torch.aminmax(p))]).tolist()
-        for i, part in enumerate(parts):
+        for i in range(nseg):
             if ext[2 * i] >= _INF_BITS or ext[2 * i + 1] == 0:
-                ext[2 * i] = _finite_max(part)
-                ext[2 * i + 1] = _nonzero_min(part)
+                ext[2 * i] = _finite_max(parts[i])
+                ext[2 * i + 1] = _nonzero_min(parts[i])
         _keys(b, k, t, _split_table(plan, dev))
         torch.index_select(_classes(plan, dev), 0, k, out=t)  # t: each element's class
-        # One bincount over (segment, class): t += nc * its segment.
-        t.add_(torch.repeat_interleave(
-            torch.arange(0, nseg * nc, nc, dtype=torch.int32, device=dev),
-            torch.tensor(lengths, device=dev), output_size=x.numel()))
+        t.add_(_offsets(tuple(lengths), nc, dev))  # one bincount over (segment, class)
         cls = torch.bincount(t, minlength=nseg * nc).view(nseg, nc)
     return cls.flip(1).cumsum(1).flip(1), ext
+
+
+@functools.lru_cache(maxsize=4)
+def _offsets(lengths: tuple[int, ...], nc: int, device: torch.device) -> torch.Tensor:
+    """nc * (segment of each element), int32. Cached: a capture in a training loop sees the
+    same segments at every step, and making these costs more than adding them."""
+    return torch.repeat_interleave(
+        torch.arange(0, len(lengths) * nc, nc, dtype=torch.int32, device=device),
+        torch.tensor(lengths, device=device), output_size=sum(lengths))
 
 
 _ALONE = 1 << 16  # a segment this long is counted on its own (its bincount is no overhead)
 
 
-def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
-                   ) -> tuple[torch.Tensor, list[int]]:
+def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
+                   absolute: bool = False) -> tuple[torch.Tensor, list[int]]:
     """g[s, j] = how many |x| >= plan.values[j] in each segment of a flat float32 tensor, and
     per segment the bits of (amax, min |x|>0). A long segment is counted alone; runs of short
     ones together, up to _CHUNK elements a pass (slices of x: nothing is copied)."""
@@ -239,7 +260,8 @@ def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
     rows, ext = [], []
     for first, last, alone in runs:
         part, lens = x[starts[first]:starts[last]], lengths[first:last]
-        ge, e = _one_segment(part, plan) if alone else _many_segments(part, lens, plan)
+        ge, e = _one_segment(part, plan, absolute) if alone else \
+            _many_segments(part, lens, plan, absolute)
         rows.append(_value_counts(part, lens, plan, ge))
         ext.extend(e)
     return (torch.cat(rows) if len(rows) > 1 else rows[0]), ext
@@ -249,7 +271,7 @@ def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torc
                   ) -> torch.Tensor:
     """How many |x| >= v for every value of the plan, per segment: key counts, plus one masked
     pass over a straggler's cell in the segments that have elements there."""
-    g = ge[:, torch.tensor(plan.cols, device=ge.device)]
+    g = ge.index_select(1, _cols(plan, ge.device))
     if not plan.stragglers:
         return g
     starts = list(itertools.accumulate([0, *lengths]))
@@ -266,6 +288,11 @@ def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torc
             per = torch.bincount(below, minlength=len(idx) + 1)
             g[s, idx] += per.flip(0).cumsum(0).flip(0)[1:]  # how many b >= each bound
     return g
+
+
+@functools.lru_cache(maxsize=16)
+def _cols(plan: _Plan, device: torch.device) -> torch.Tensor:
+    return torch.tensor(plan.cols, device=device)
 
 
 def _first_key(plan: _Plan, cell: int, idx: Sequence[int]) -> int:

@@ -77,19 +77,20 @@ def _as_float_tensor(x: object, what: str = "coverage") -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike]
-                  ) -> list[tuple[dict[str, Coverage], list[int]]]:
+def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike],
+                  absolute: bool = False) -> list[tuple[dict[str, Coverage], list[int]]]:
     """Coverage in every format and the exponent histogram of each segment of a flat tensor.
 
     Every count is "how many |x| >= b". For float32 they come from the bit pattern: a 16-bit
     key per element, one bincount, on the tensor's own device (see _bitkeys); only small
-    count tables come back to the host. float64 takes a bucketize.
+    count tables come back to the host. float64 takes a bucketize. absolute: flat holds |x|
+    already (sign bits clear, as capture stages it), which saves a pass.
     """
     fmts = tuple(get_format(f) for f in formats)
     if flat.dtype != torch.float32 or not all(lengths):
         return _bucketize_stats(flat, lengths, fmts)
     plan = _plan(fmts)
-    g, ext = count_segments(flat, lengths, plan)
+    g, ext = count_segments(flat, lengths, plan, absolute)
     lo, hi = _levels(plan, g.device)
     nv, out = plan.head, []  # the edges' counts are only needed as histogram differences
     rows = torch.cat([g[:, :nv], g[:, lo] - g[:, hi]], dim=1).tolist()

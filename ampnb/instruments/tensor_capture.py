@@ -17,8 +17,9 @@ from ampnb.instruments.summaries import (
     DEFAULT_FORMATS,
     KINDS,
     TensorStats,
-    _copy,
     _Seen,
+    _Stage,
+    stage_one,
     summarize_many,
 )
 
@@ -63,38 +64,43 @@ class Capture(TableView, Guard):
         self._pending: dict[tuple[str, str], _Seen] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []  # live until exit
         self._armed: list[torch.utils.hooks.RemovableHandle] = []  # only while capturing
-        self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._copies: dict[int, tuple[weakref.ref, int, _Seen]] = {}
+        self._stage = _Stage()
         self._targets: list[tuple[str, nn.Module, list[tuple[str, torch.Tensor]]]] = []
 
     def _wanted(self, path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
     def _record(self, x: torch.Tensor, name: str, kind: str, module: str) -> None:
-        # Only a copy is taken here (weights too: an optimizer step may change them in place);
+        # Only |x| is staged here (weights too: an optimizer step may change them in place);
         # summaries wait for exit (or the first look) and are then computed for all tensors
         # together, in one pass, which costs far less than one call per tensor.
         key = (name, kind)
         old = self._pending.get(key) or self._stats.get(key)
-        self._pending[key] = _Seen(self._copy_once(x), name, kind, module,
-                                   old.calls + 1 if old else 1)
+        self._pending[key] = self._stage_once(x, name, kind, module, old.calls + 1 if old else 1)
         self._stats.setdefault(key, None)
 
-    def _copy_once(self, x: torch.Tensor) -> torch.Tensor:
+    def _stage_once(self, x: torch.Tensor, name: str, kind: str, module: str,
+                    calls: int) -> _Seen:
         """One private copy per tensor object and version: a container's output is usually
         its last child's output, and is then copied (and later summarized) once."""
         seen = self._copies.get(id(x))
         if seen is not None and seen[0]() is x and seen[1] == x._version:
-            return seen[2]
-        copy = _copy(x)
-        self._copies[id(x)] = (weakref.ref(x), x._version, copy)
-        return copy
+            s = seen[2]
+            return _Seen(s.buf, s.start, s.count, s.shape, s.dtype, name, kind, module, calls,
+                         s.tensor)
+        s = stage_one(self._stage, x, name, kind, module, self.keep, calls)
+        self._copies[id(x)] = (weakref.ref(x), x._version, s)
+        return s
 
     def _flush(self) -> None:
         self._copies.clear()
         if self._pending:
             pending, self._pending = self._pending, {}
-            for key, s in zip(pending, summarize_many(pending.values(), self.formats, self.keep)):
+            for key, s in zip(pending, summarize_many(pending.values(), self.formats)):
                 self._stats[key] = s
+            stage, self._stage = self._stage, _Stage()
+            stage.release()  # nothing refers to its buffers any more: the next capture's
 
     def _forward_hook(self, path: str):
         def hook(module: nn.Module, args: object, out: object) -> None:
