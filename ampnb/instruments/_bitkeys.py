@@ -215,24 +215,45 @@ def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
             b = x.view(torch.int32)
         else:
             torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
-        # Per segment (max, min) of |x|'s bits; redone masked where zeros or inf/NaN spoil them.
-        parts = b.split(lengths)  # one call for all the views: slicing costs per call
-        ext = torch.stack([v for p in parts for v in reversed(torch.aminmax(p))]).tolist()
-        for i in range(nseg):
-            if ext[2 * i] >= _INF_BITS or ext[2 * i + 1] == 0:
-                ext[2 * i] = _finite_max(parts[i])
-                ext[2 * i + 1] = _nonzero_min(parts[i])
+        ext = _extremes(b, k, lengths)
         _keys(b, k, t, _split_table(plan, dev))
         torch.index_select(_classes(plan, dev), 0, k, out=t)  # t: each element's class
-        t.add_(_offsets(tuple(lengths), nc, dev))  # one bincount over (segment, class)
+        # One bincount over (segment, class). A training loop sees the same segments at
+        # every step: their offsets are cached (up to a few MB).
+        lens = tuple(lengths)
+        t.add_(_offsets(lens, nc, dev) if x.numel() <= _CACHED else _offsets.__wrapped__(
+            lens, nc, dev))
         cls = torch.bincount(t, minlength=nseg * nc).view(nseg, nc)
     return cls.flip(1).cumsum(1).flip(1), ext
 
 
+def _extremes(b: torch.Tensor, scratch: torch.Tensor, lengths: Sequence[int]) -> list[int]:
+    """Per segment the bits of (amax, min |x|>0) of |x|'s bits b: two max-reductions over all
+    segments in one call each; only a segment holding inf or NaN takes one more pass."""
+    parts = b.split(lengths)  # one call for all the views: slicing costs per call
+    # (b - 1) ^ 0x7FFFFFFF = 2**31 - b for b > 0 (larger for smaller |x|), int32's min for 0
+    torch.sub(b, 1, out=scratch).bitwise_xor_(0x7FFFFFFF)
+    n = len(lengths)
+    found = torch.stack([*_maxes(parts), *_maxes(scratch.split(lengths))]).tolist()
+    ext = []
+    for i in range(n):
+        hi = found[i]
+        ext += [hi if hi < _INF_BITS else _finite_max(parts[i]), (1 << 31) - found[n + i]]
+    return ext
+
+
+def _maxes(parts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    if parts[0].is_cpu and hasattr(torch, "_foreach_max"):  # torch >= 2.4: one call for all
+        return torch._foreach_max(parts)
+    return [p.amax() for p in parts]
+
+
+_CACHED = 1 << 20  # elements: offsets of runs up to this long are cached
+
+
 @functools.lru_cache(maxsize=4)
 def _offsets(lengths: tuple[int, ...], nc: int, device: torch.device) -> torch.Tensor:
-    """nc * (segment of each element), int32. Cached: a capture in a training loop sees the
-    same segments at every step, and making these costs more than adding them."""
+    """nc * (segment of each element), int32 (making them costs more than adding them)."""
     return torch.repeat_interleave(
         torch.arange(0, len(lengths) * nc, nc, dtype=torch.int32, device=device),
         torch.tensor(lengths, device=device), output_size=sum(lengths))
@@ -274,9 +295,11 @@ def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torc
     g = ge.index_select(1, _cols(plan, ge.device))
     if not plan.stragglers:
         return g
+    first, above = _held_cols(plan, ge.device)
+    held = (ge.index_select(1, first) - ge.index_select(1, above)).tolist()
+    if not any(map(any, held)):  # the usual case: no element in any straggler's cell
+        return g
     starts = list(itertools.accumulate([0, *lengths]))
-    held = torch.stack([ge[:, plan.col(_first_key(plan, c, ix))] - ge[:, plan.col(2 * c + 2)]
-                        for c, ix in plan.stragglers], dim=1).tolist()
     for j, (cell, idx) in enumerate(plan.stragglers):
         idx = sorted(idx, key=lambda i: plan.values[i])
         bounds = torch.tensor([_bits(plan.values[i]) for i in idx], dtype=torch.int32,
@@ -293,6 +316,15 @@ def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torc
 @functools.lru_cache(maxsize=16)
 def _cols(plan: _Plan, device: torch.device) -> torch.Tensor:
     return torch.tensor(plan.cols, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _held_cols(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns of the key counts whose difference is how many elements each straggler's cell
+    holds at or above its lowest key that needs the masked pass."""
+    return (torch.tensor([plan.col(_first_key(plan, c, ix)) for c, ix in plan.stragglers],
+                         device=device),
+            torch.tensor([plan.col(2 * c + 2) for c, _ in plan.stragglers], device=device))
 
 
 def _first_key(plan: _Plan, cell: int, idx: Sequence[int]) -> int:

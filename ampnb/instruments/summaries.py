@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -156,14 +157,25 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
     names = {f.name: None for f in fmts}
     out = []
     for s in seen:
-        covs, hist = found.get((id(s.buf), s.start), ({}, ())) if s.count else ({}, ())
+        covs, hist = found.get((id(s.buf), s.start), _NONE) if s.count else _NONE
         c0 = next(iter(covs.values()), None)  # amax and min |x| are the same in every format
-        out.append(TensorStats(
+        out.append(_stats(
             s.name, s.module, s.kind, s.shape, _dtype(s.dtype), s.count,
             c0.amax if c0 else math.nan, c0.min_nonzero if c0 else math.nan,
-            tuple(hist), tuple(covs[f] for f in names) if c0 else (), s.calls,
-            tensor=s.tensor))
+            tuple(hist), tuple(covs[f] for f in names) if c0 else (), s.calls, s.tensor))
     return out
+
+
+_NONE: tuple = ({}, ())
+_FIELDS = tuple(f.name for f in dataclasses.fields(TensorStats))
+
+
+def _stats(*values: object) -> TensorStats:
+    """TensorStats(*values), set in one step (a frozen dataclass's __init__ sets each field
+    on its own, which costs more than the rest of a record's bookkeeping)."""
+    t = object.__new__(TensorStats)
+    t.__dict__.update(zip(_FIELDS, values))
+    return t
 
 
 def _runs(segs: dict[int, int]) -> list[tuple[int, list[int]]]:
