@@ -91,11 +91,11 @@ def _split_table(plan: _Plan, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _classes(plan: _Plan, device: torch.device) -> torch.Tensor:
-    """Class of every key, for per-segment counting."""
+def _classes(plan: _Plan, device: torch.device, scale: int = 1) -> torch.Tensor:
+    """Class of every key (times scale), for per-segment counting."""
     keys = torch.arange(_KEYS, dtype=torch.int32)
     t = torch.tensor(plan.thresholds, dtype=torch.int32)
-    return (torch.bucketize(keys, t, right=True, out_int32=True) - 1).to(device)
+    return ((torch.bucketize(keys, t, right=True, out_int32=True) - 1) * scale).to(device)
 
 
 _SCRATCH: dict[str, torch.Tensor] = {}
@@ -145,7 +145,8 @@ def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> int:
 
 def _one_segment(x: torch.Tensor, plan: _Plan, absolute: bool = False
                  ) -> tuple[torch.Tensor, list[int]]:
-    """Counts of key >= each threshold, and the (amax, min |x|>0) bits, of one flat tensor."""
+    """Counts of key >= each threshold (a column), and the (amax, min |x|>0) bits, of one
+    flat tensor."""
     n = x.numel()
     size = n if x.is_cuda else min(n, _CHUNK)
     with _buffers(size, x.device) as bufs:
@@ -154,7 +155,7 @@ def _one_segment(x: torch.Tensor, plan: _Plan, absolute: bool = False
     below = table.cumsum(0).index_select(0, _below_index(plan, x.device))
     if plan.thresholds[0] == 0:
         below[0] = 0
-    return (n - below)[None], [hi, lo]
+    return (n - below)[:, None], [hi, lo]
 
 
 @functools.lru_cache(maxsize=16)
@@ -207,8 +208,8 @@ def _bincount(k: torch.Tensor) -> torch.Tensor:
 
 def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
                    absolute: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """The same for each short segment of a flat tensor: keys mapped to classes, counted by
-    (segment, class) in one bincount."""
+    """The same for each short segment of a flat tensor (a column each): keys mapped to
+    classes, counted by (class, segment) in one bincount."""
     nseg, nc, dev = len(lengths), len(plan.thresholds), x.device
     with _buffers(x.numel(), dev) as (b, k, t):
         if absolute:
@@ -217,14 +218,14 @@ def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
             torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
         ext = _extremes(b, k, lengths)
         _keys(b, k, t, _split_table(plan, dev))
-        torch.index_select(_classes(plan, dev), 0, k, out=t)  # t: each element's class
-        # One bincount over (segment, class). A training loop sees the same segments at
-        # every step: their offsets are cached (up to a few MB).
+        # t = nseg * class + segment, for one bincount over (class, segment): class-major, so
+        # that picking values' rows later copies rows. A training loop sees the same
+        # segments at every step: their indices are cached (up to a few MB).
+        torch.index_select(_classes(plan, dev, nseg), 0, k, out=t)
         lens = tuple(lengths)
-        t.add_(_offsets(lens, nc, dev) if x.numel() <= _CACHED else _offsets.__wrapped__(
-            lens, nc, dev))
-        cls = torch.bincount(t, minlength=nseg * nc).view(nseg, nc)
-    return cls.flip(1).cumsum(1).flip(1), ext
+        t.add_(_segments(lens, dev) if x.numel() <= _CACHED else _segments.__wrapped__(lens, dev))
+        cls = torch.bincount(t, minlength=nseg * nc).view(nc, nseg)
+    return cls.flip(0).cumsum(0).flip(0), ext
 
 
 def _extremes(b: torch.Tensor, scratch: torch.Tensor, lengths: Sequence[int]) -> list[int]:
@@ -252,10 +253,10 @@ _CACHED = 1 << 20  # elements: offsets of runs up to this long are cached
 
 
 @functools.lru_cache(maxsize=4)
-def _offsets(lengths: tuple[int, ...], nc: int, device: torch.device) -> torch.Tensor:
-    """nc * (segment of each element), int32 (making them costs more than adding them)."""
+def _segments(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The segment of each element, int32 (making them costs more than adding them)."""
     return torch.repeat_interleave(
-        torch.arange(0, len(lengths) * nc, nc, dtype=torch.int32, device=device),
+        torch.arange(len(lengths), dtype=torch.int32, device=device),
         torch.tensor(lengths, device=device), output_size=sum(lengths))
 
 
@@ -264,8 +265,8 @@ _ALONE = 1 << 16  # a segment this long is counted on its own (its bincount is n
 
 def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
                    absolute: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """g[s, j] = how many |x| >= plan.values[j] in each segment of a flat float32 tensor, and
-    per segment the bits of (amax, min |x|>0). A long segment is counted alone; runs of short
+    """g[j, s] = how many |x| >= plan.values[j] in each segment s of a flat float32 tensor,
+    and per segment the bits of (amax, min |x|>0). A long segment is counted alone; runs of short
     ones together, up to _CHUNK elements a pass (slices of x: nothing is copied)."""
     runs: list[tuple[int, int]] = []  # [first, last) segment indices
     size = 0
@@ -285,18 +286,18 @@ def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
             _many_segments(part, lens, plan, absolute)
         rows.append(_value_counts(part, lens, plan, ge))
         ext.extend(e)
-    return (torch.cat(rows) if len(rows) > 1 else rows[0]), ext
+    return (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]), ext
 
 
 def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torch.Tensor
                   ) -> torch.Tensor:
     """How many |x| >= v for every value of the plan, per segment: key counts, plus one masked
     pass over a straggler's cell in the segments that have elements there."""
-    g = ge.index_select(1, _cols(plan, ge.device))
+    g = ge.index_select(0, _cols(plan, ge.device))
     if not plan.stragglers:
         return g
     first, above = _held_cols(plan, ge.device)
-    held = (ge.index_select(1, first) - ge.index_select(1, above)).tolist()
+    held = (ge.index_select(0, first) - ge.index_select(0, above)).t().tolist()
     if not any(map(any, held)):  # the usual case: no element in any straggler's cell
         return g
     starts = list(itertools.accumulate([0, *lengths]))
@@ -309,7 +310,7 @@ def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torc
             inside = b[(b >> _LOW) == cell]
             below = torch.bucketize(inside, bounds, right=True)  # how many bounds are <= b
             per = torch.bincount(below, minlength=len(idx) + 1)
-            g[s, idx] += per.flip(0).cumsum(0).flip(0)[1:]  # how many b >= each bound
+            g[idx, s] += per.flip(0).cumsum(0).flip(0)[1:]  # how many b >= each bound
     return g
 
 

@@ -105,7 +105,7 @@ def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[
     g, ext = count_segments(flat, lengths, plan, absolute)
     lo, hi = _levels(plan, g.device)
     nv, out = plan.head, []  # the edges' counts are only needed as histogram differences
-    rows = torch.cat([g[:, :nv], g[:, lo] - g[:, hi]], dim=1).tolist()
+    rows = torch.cat([g[:nv], g.index_select(0, lo) - g.index_select(0, hi)]).t().tolist()
     at = {v: i for i, v in enumerate(plan.values[:nv])}
     cols = [(f.name, at[pu], at[pn], at[po]) for f, (pu, pn, po) in zip(fmts, plan.cuts)]
     i0, itiny, iinf = (at[v] for v in _SHARED)

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -46,11 +47,11 @@ class TensorStats:
                          f"{', '.join(c.format for c in self.coverages)}")
 
 
-@dataclass(frozen=True, eq=False)
-class _Seen:
+class _Seen(NamedTuple):
     """A captured tensor waiting for its summary. Its |x| was staged at hook time (a private
     copy, so later in-place ops, ReLU(inplace=True) or optimizer.zero_grad, cannot change
-    what was seen): elements [start, start + count) of buf."""
+    what was seen): elements [start, start + count) of buf. (A NamedTuple: one is made for
+    every tensor a hook sees, and a frozen dataclass costs several times more to make.)"""
 
     buf: torch.Tensor
     start: int
@@ -97,8 +98,8 @@ class _Stage:
         if slot is None or slot[1] + n > _STAGE:
             slot = self._open[where] = [self._take(x.device), 0]
         buf, start = slot
-        _abs_into(x, buf[start:start + n])
         slot[1] = start + n
+        _abs_into(x, buf[start:start + n])
         return buf, start
 
     def _take(self, device: torch.device) -> torch.Tensor:

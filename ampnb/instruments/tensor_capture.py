@@ -74,24 +74,23 @@ class Capture(TableView, Guard):
     def _record(self, x: torch.Tensor, name: str, kind: str, module: str) -> None:
         # Only |x| is staged here (weights too: an optimizer step may change them in place);
         # summaries wait for exit (or the first look) and are then computed for all tensors
-        # together, in one pass, which costs far less than one call per tensor.
+        # together, in one pass, which costs far less than one call per tensor. This runs for
+        # every tensor every hook sees: it is kept to a few calls.
         key = (name, kind)
         old = self._pending.get(key) or self._stats.get(key)
-        self._pending[key] = self._stage_once(x, name, kind, module, old.calls + 1 if old else 1)
-        self._stats.setdefault(key, None)
-
-    def _stage_once(self, x: torch.Tensor, name: str, kind: str, module: str,
-                    calls: int) -> _Seen:
-        """One private copy per tensor object and version: a container's output is usually
-        its last child's output, and is then copied (and later summarized) once."""
+        calls = old.calls + 1 if old else 1
+        # One private copy per tensor object and version: a container's output is usually
+        # its last child's output, and is then staged (and later summarized) once.
         seen = self._copies.get(id(x))
         if seen is not None and seen[0]() is x and seen[1] == x._version:
             s = seen[2]
-            return _Seen(s.buf, s.start, s.count, s.shape, s.dtype, name, kind, module, calls,
-                         s.tensor)
-        s = stage_one(self._stage, x, name, kind, module, self.keep, calls)
-        self._copies[id(x)] = (weakref.ref(x), x._version, s)
-        return s
+            self._pending[key] = _Seen(s.buf, s.start, s.count, s.shape, s.dtype, name, kind,
+                                       module, calls, s.tensor)
+        else:
+            s = self._pending[key] = stage_one(self._stage, x, name, kind, module, self.keep,
+                                               calls)
+            self._copies[id(x)] = (weakref.ref(x), x._version, s)
+        self._stats.setdefault(key, None)
 
     def _flush(self) -> None:
         self._copies.clear()
