@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -48,14 +49,12 @@ class TensorStats:
 
 
 class _Seen(NamedTuple):
-    """A captured tensor waiting for its summary. Its |x| was staged at hook time (a private
-    copy, so later in-place ops, ReLU(inplace=True) or optimizer.zero_grad, cannot change
-    what was seen): elements [start, start + count) of buf. (A NamedTuple: one is made for
-    every tensor a hook sees, and a frozen dataclass costs several times more to make.)"""
+    """A captured tensor waiting for its summary. flat is |x|, flattened, copied at hook time
+    (so later in-place ops, ReLU(inplace=True) or optimizer.zero_grad, cannot change what
+    was seen), in the form counting starts from. (A NamedTuple: one is made for every
+    tensor a hook sees, and a frozen dataclass costs several times more to make.)"""
 
-    buf: torch.Tensor
-    start: int
-    count: int
+    flat: torch.Tensor
     shape: tuple[int, ...]
     dtype: torch.dtype
     name: str
@@ -65,106 +64,77 @@ class _Seen(NamedTuple):
     tensor: torch.Tensor | None = None  # an exact copy, only with keep=True
 
 
-_STAGE = 1 << 20   # elements (float32) of one staging buffer
-_SPARE = 4         # CPU staging buffers kept between captures: fresh memory costs a pass
-_FREE: list[torch.Tensor] = []
+_KEPT = (torch.float32, torch.float64)  # counted in their own dtype; the rest in float32
 
 
-class _Stage:
-    """Where |x| of each captured tensor is written once, at hook time, in the form counting
-    starts from (float32, or float64 for float64 tensors): nothing is concatenated,
-    converted or masked later. Short and long tensors fill separate buffers, so the short
-    ones stay contiguous and are counted together."""
-
-    def __init__(self) -> None:
-        self._open: dict[tuple, list] = {}  # (device, long) -> [buffer, elements used]
-        self._taken: list[torch.Tensor] = []  # pooled buffers, given back by release()
-
-    def put(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Stage |x|; returns (buffer, start)."""
-        if not torch._C._len_torch_dispatch_stack():
-            return self._put(x)
-        with internal():  # hide the copy from a tracer or hunter
-            return self._put(x)
-
-    def _put(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        n, x = x.numel(), x.detach()
-        if x.dtype == torch.float64 or n > _STAGE:  # a buffer of its own
-            buf = torch.empty(n, dtype=_WORK.get(x.dtype, torch.float32), device=x.device)
-            _abs_into(x, buf)
-            return buf, 0
-        where = (x.device, n >= _bitkeys._ALONE)
-        slot = self._open.get(where)
-        if slot is None or slot[1] + n > _STAGE:
-            slot = self._open[where] = [self._take(x.device), 0]
-        buf, start = slot
-        slot[1] = start + n
-        _abs_into(x, buf[start:start + n])
-        return buf, start
-
-    def _take(self, device: torch.device) -> torch.Tensor:
-        if device.type == "cpu":
-            try:
-                buf = _FREE.pop()
-            except IndexError:
-                buf = torch.empty(_STAGE)
-            self._taken.append(buf)
-            return buf
-        return torch.empty(_STAGE, device=device)  # the caching allocator reuses memory
-
-    def release(self) -> None:
-        """Give the pooled buffers back; call only when no staged view is used any more."""
-        self._open.clear()
-        while self._taken:
-            buf = self._taken.pop()
-            if len(_FREE) < _SPARE:
-                _FREE.append(buf)
+def _stage(x: torch.Tensor) -> torch.Tensor:
+    """|x| as a private flat copy: abs clears the sign bit, NaN's too, so the counting
+    starts from these bits as they are. One pass, like the copy it replaces."""
+    if not torch._C._len_torch_dispatch_stack():
+        return _abs_copy(x)
+    with internal():  # hide the copy from a tracer or hunter
+        return _abs_copy(x)
 
 
-_WORK = {torch.float64: torch.float64}
+def _abs_copy(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().reshape(-1)
+    # float32 and float64 make a new tensor with abs; narrower formats widen exactly first
+    return x.abs() if x.dtype in _KEPT else x.float().abs_()
 
 
-def _abs_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """out (flat) = |x|: abs clears the sign bit, NaN's too (the counting reads bits)."""
-    if x.dim() > 1:
-        out = out.view(*x.shape)  # (unpacked: a torch.Size argument takes a slow path)
-    elif not x.dim():
-        x = x.reshape(1)
-    if x.dtype == out.dtype:
-        torch.abs(x, out=out)
-    else:  # narrower formats widen exactly, then drop the sign
-        out.copy_(x).abs_()
+_SCRATCH: list[torch.Tensor] = []  # one float32 buffer the short tensors are joined in
+_SCRATCH_LOCK = threading.Lock()
 
 
 def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMATS
                    ) -> list[TensorStats]:
-    """Summaries of many staged tensors: one segmented pass per run of contiguous segments."""
+    """Summaries of many staged tensors: the short ones of a device and dtype joined and
+    counted in one segmented pass, each long one where it lies."""
     fmts = tuple(get_format(f) for f in formats)
     seen = list(seen)
-    bufs: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}  # id -> (buffer, {start: n})
+    groups: dict[tuple, dict[int, torch.Tensor]] = {}  # one segment per distinct copy
     for s in seen:
-        if s.count:  # an empty output is a fact to show, not an error in a hook
-            bufs.setdefault(id(s.buf), (s.buf, {}))[1][s.start] = s.count
-    found: dict[tuple[int, int], tuple] = {}
-    with internal():  # on private staged copies: no autograd to switch off
-        for i, (buf, segs) in bufs.items():
-            for first, lengths in _runs(segs):
-                stats = segment_stats(buf[first:first + sum(lengths)], lengths,
-                                      fmts or (buf.dtype,), absolute=True)
-                start = first
-                for n, st in zip(lengths, stats):
-                    found[(i, start)] = st
-                    start += n
+        f = s.flat
+        if f.numel():  # an empty output is a fact to show, not an error in a hook
+            groups.setdefault((f.device, f.dtype), {})[id(f)] = f
+    found: dict[int, tuple] = {}
+    with internal():  # on private copies: no autograd to switch off
+        for (_, dt), flats in groups.items():
+            alone = _bitkeys._ALONE
+            for i, f in flats.items():
+                if f.numel() >= alone:
+                    found[i] = segment_stats(f, [f.numel()], fmts or (dt,), absolute=True)[0]
+            short = {i: f for i, f in flats.items() if f.numel() < alone}
+            if short:
+                found.update(zip(short, _joined_stats(list(short.values()), fmts or (dt,))))
     names = {f.name: None for f in fmts}
     out = []
     for s in seen:
-        covs, hist = found.get((id(s.buf), s.start), _NONE) if s.count else _NONE
+        covs, hist = found.get(id(s.flat), _NONE)
         c0 = next(iter(covs.values()), None)  # amax and min |x| are the same in every format
         out.append(_stats(
-            s.name, s.module, s.kind, s.shape, _dtype(s.dtype), s.count,
+            s.name, s.module, s.kind, s.shape, _dtype(s.dtype), s.flat.numel(),
             c0.amax if c0 else math.nan, c0.min_nonzero if c0 else math.nan,
             tuple(hist), tuple(covs[f] for f in names) if c0 else (), s.calls, s.tensor))
     return out
+
+
+def _joined_stats(flats: list[torch.Tensor], fmts: tuple) -> list[tuple]:
+    """segment_stats of short flat tensors joined by one cat (into a kept buffer on CPU:
+    fresh memory costs more than the copy)."""
+    lengths = [f.numel() for f in flats]
+    n = sum(lengths)
+    if flats[0].is_cpu and flats[0].dtype == torch.float32 and n <= _bitkeys._CHUNK and \
+            _SCRATCH_LOCK.acquire(blocking=False):
+        try:
+            if not _SCRATCH or _SCRATCH[0].numel() < n:
+                _SCRATCH[:] = [torch.empty(max(n, 1 << 16))]
+            flat = torch.cat(flats, out=_SCRATCH[0][:n]) if len(flats) > 1 else flats[0]
+            return segment_stats(flat, lengths, fmts, absolute=True)
+        finally:
+            _SCRATCH_LOCK.release()
+    flat = torch.cat(flats) if len(flats) > 1 else flats[0]
+    return segment_stats(flat, lengths, fmts, absolute=True)
 
 
 _NONE: tuple = ({}, ())
@@ -177,19 +147,6 @@ def _stats(*values: object) -> TensorStats:
     t = object.__new__(TensorStats)
     t.__dict__.update(zip(_FIELDS, values))
     return t
-
-
-def _runs(segs: dict[int, int]) -> list[tuple[int, list[int]]]:
-    """(first start, lengths) of each run of back-to-back segments (a capture kept attached
-    over several calls leaves gaps where a later call's copy replaced an earlier one)."""
-    runs: list[tuple[int, list[int]]] = []
-    end = -1
-    for start in sorted(segs):
-        if start != end:
-            runs.append((start, []))
-        runs[-1][1].append(segs[start])
-        end = start + segs[start]
-    return runs
 
 
 _DTYPES: dict[torch.dtype, str] = {}
@@ -206,21 +163,9 @@ def summarize(x: torch.Tensor, formats: Iterable[str] = DEFAULT_FORMATS, name: s
               kind: str = "activation", module: str = "", keep: bool = False) -> TensorStats:
     """Summaries of one tensor, computed on its own device; only small numbers come back."""
     _check_float(x)
-    stage = _Stage()
-    out = summarize_many([stage_one(stage, x, name, kind, module, keep)], formats)[0]
-    stage.release()
-    return out
-
-
-def stage_one(stage: _Stage, x: torch.Tensor, name: str, kind: str, module: str,
-              keep: bool = False, calls: int = 1) -> _Seen:
-    """x staged for a later summary (and copied exactly too with keep)."""
-    buf, start = stage.put(x) if x.numel() else (_EMPTY, 0)
-    return _Seen(buf, start, x.numel(), tuple(x.shape), x.dtype, name, kind, module, calls,
+    seen = _Seen(_stage(x), tuple(x.shape), x.dtype, name, kind, module, 1,
                  _copy(x) if keep else None)
-
-
-_EMPTY = torch.empty(0)
+    return summarize_many([seen], formats)[0]
 
 
 def _check_float(x: object) -> None:

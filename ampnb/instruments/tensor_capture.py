@@ -17,9 +17,9 @@ from ampnb.instruments.summaries import (
     DEFAULT_FORMATS,
     KINDS,
     TensorStats,
+    _copy,
     _Seen,
-    _Stage,
-    stage_one,
+    _stage,
     summarize_many,
 )
 
@@ -65,7 +65,6 @@ class Capture(TableView, Guard):
         self._handles: list[torch.utils.hooks.RemovableHandle] = []  # live until exit
         self._armed: list[torch.utils.hooks.RemovableHandle] = []  # only while capturing
         self._copies: dict[int, tuple[weakref.ref, int, _Seen]] = {}
-        self._stage = _Stage()
         self._targets: list[tuple[str, nn.Module, list[tuple[str, torch.Tensor]]]] = []
 
     def _wanted(self, path: str) -> bool:
@@ -84,11 +83,11 @@ class Capture(TableView, Guard):
         seen = self._copies.get(id(x))
         if seen is not None and seen[0]() is x and seen[1] == x._version:
             s = seen[2]
-            self._pending[key] = _Seen(s.buf, s.start, s.count, s.shape, s.dtype, name, kind,
-                                       module, calls, s.tensor)
+            self._pending[key] = _Seen(s.flat, s.shape, s.dtype, name, kind, module, calls,
+                                       s.tensor)
         else:
-            s = self._pending[key] = stage_one(self._stage, x, name, kind, module, self.keep,
-                                               calls)
+            s = self._pending[key] = _Seen(_stage(x), tuple(x.shape), x.dtype, name, kind,
+                                           module, calls, _copy(x) if self.keep else None)
             self._copies[id(x)] = (weakref.ref(x), x._version, s)
         self._stats.setdefault(key, None)
 
@@ -98,8 +97,6 @@ class Capture(TableView, Guard):
             pending, self._pending = self._pending, {}
             for key, s in zip(pending, summarize_many(pending.values(), self.formats)):
                 self._stats[key] = s
-            stage, self._stage = self._stage, _Stage()
-            stage.release()  # nothing refers to its buffers any more: the next capture's
 
     def _forward_hook(self, path: str):
         def hook(module: nn.Module, args: object, out: object) -> None:
@@ -154,9 +151,13 @@ class Capture(TableView, Guard):
     def _attach(self) -> Capture:
         """Hook the model (Guard's enter: all hooks or none, interrupts held back)."""
         try:
+            every = self.patterns == ("*",)
+            # A module's own parameters straight from _parameters: named_parameters() walks
+            # them through generators, which costs more than hooking the module.
             self._targets = [(path, m, [(f"{path}.{n}" if path else n, p)
-                                        for n, p in m.named_parameters(recurse=False)])
-                             for path, m in self.model.named_modules() if self._wanted(path)]
+                                        for n, p in m._parameters.items() if p is not None])
+                             for path, m in self.model.named_modules()
+                             if every or self._wanted(path)]
             if "weight" in self.kinds:
                 self._record_weights()
             self._handles.append(self.model.register_forward_pre_hook(self._on_forward))
