@@ -229,24 +229,28 @@ def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
 
 
 def _extremes(b: torch.Tensor, scratch: torch.Tensor, lengths: Sequence[int]) -> list[int]:
-    """Per segment the bits of (amax, min |x|>0) of |x|'s bits b: two max-reductions over all
-    segments in one call each; only a segment holding inf or NaN takes one more pass."""
-    parts = b.split(lengths)  # one call for all the views: slicing costs per call
+    """Per segment the bits of (amax, min |x|>0) of |x|'s bits b. Back-to-back segments of one
+    length are reduced together, as the rows of one matrix (callers order segments by
+    length): a call per length, not per segment. Only a segment holding inf or NaN takes
+    one more pass."""
     # (b - 1) ^ 0x7FFFFFFF = 2**31 - b for b > 0 (larger for smaller |x|), int32's min for 0
     torch.sub(b, 1, out=scratch).bitwise_xor_(0x7FFFFFFF)
-    n = len(lengths)
-    found = torch.stack([*_maxes(parts), *_maxes(scratch.split(lengths))]).tolist()
+    his, los, at, pos = [], [], [], 0
+    for n, same in itertools.groupby(lengths):
+        m = len(list(same))
+        his.append(b[pos:pos + m * n].view(m, n).amax(1))
+        los.append(scratch[pos:pos + m * n].view(m, n).amax(1))
+        at.extend(range(pos, pos + m * n, n))
+        pos += m * n
+    found = torch.cat(his + los).tolist()
+    k = len(lengths)
     ext = []
-    for i in range(n):
+    for i in range(k):
         hi = found[i]
-        ext += [hi if hi < _INF_BITS else _finite_max(parts[i]), (1 << 31) - found[n + i]]
+        if hi >= _INF_BITS:
+            hi = _finite_max(b[at[i]:at[i] + lengths[i]])
+        ext += [hi, (1 << 31) - found[k + i]]
     return ext
-
-
-def _maxes(parts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-    if parts[0].is_cpu and hasattr(torch, "_foreach_max"):  # torch >= 2.4: one call for all
-        return torch._foreach_max(parts)
-    return [p.amax() for p in parts]
 
 
 _CACHED = 1 << 20  # elements: offsets of runs up to this long are cached

@@ -104,7 +104,9 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
             for i, f in flats.items():
                 if f.numel() >= alone:
                     found[i] = segment_stats(f, [f.numel()], fmts or (dt,), absolute=True)[0]
-            short = {i: f for i, f in flats.items() if f.numel() < alone}
+            # ordered by length: the per-segment extremes then take a call per length
+            short = dict(sorted(((i, f) for i, f in flats.items() if f.numel() < alone),
+                                key=lambda item: item[1].numel()))
             if short:
                 found.update(zip(short, _joined_stats(list(short.values()), fmts or (dt,))))
     names = {f.name: None for f in fmts}
