@@ -182,3 +182,21 @@ def test_segments_of_other_lengths_but_the_same_count_and_total():
         assert [h for _, h in fast] == [h for _, h in general], lengths
         for (cf, _), (cg, _) in zip(fast, general):
             assert [_counts(c) for c in cf.values()] == [_counts(c) for c in cg.values()]
+
+
+def test_records_made_in_one_step_have_every_field_of_their_dataclass():
+    """Records are built without the dataclasses' __init__ (cost): every field must be set,
+    and a Coverage must equal (and hash like) one built the ordinary way."""
+    import dataclasses
+
+    model = _Many(_awkward()[:3])
+    with ampnb.capture(model, kinds=["activation"], formats=FORMATS) as cap:
+        model(torch.zeros(1))
+    s = cap.get("parts.0", "activation")
+    assert vars(s).keys() == {f.name for f in dataclasses.fields(type(s))}
+    c = s.coverage("fp16")
+    assert vars(c).keys() == {f.name for f in dataclasses.fields(type(c))}
+    plain = type(c)(**vars(c))
+    assert plain == c and hash(plain) == hash(c)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.count = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 from collections.abc import Iterable
@@ -92,39 +91,41 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
     counted in one segmented pass, each long one where it lies."""
     fmts = tuple(get_format(f) for f in formats)
     seen = list(seen)
-    groups: dict[tuple, dict[int, torch.Tensor]] = {}  # one segment per distinct copy
+    groups: dict[tuple, dict[int, tuple[torch.Tensor, int]]] = {}  # (copy, n) per distinct copy
     for s in seen:
         f = s.flat
-        if f.numel():  # an empty output is a fact to show, not an error in a hook
-            groups.setdefault((f.device, f.dtype), {})[id(f)] = f
+        n = f.numel()
+        if n:  # an empty output is a fact to show, not an error in a hook
+            groups.setdefault((f.device, f.dtype), {})[id(f)] = (f, n)
     found: dict[int, tuple] = {}
+    alone = _bitkeys._ALONE
     with internal():  # on private copies: no autograd to switch off
         for (_, dt), flats in groups.items():
-            alone = _bitkeys._ALONE
-            for i, f in flats.items():
-                if f.numel() >= alone:
-                    found[i] = segment_stats(f, [f.numel()], fmts or (dt,), absolute=True)[0]
+            for i, (f, n) in flats.items():
+                if n >= alone:
+                    found[i] = segment_stats(f, [n], fmts or (dt,), absolute=True)[0]
             # ordered by length: the per-segment extremes then take a call per length
-            short = dict(sorted(((i, f) for i, f in flats.items() if f.numel() < alone),
-                                key=lambda item: item[1].numel()))
+            short = sorted(((n, i, f) for i, (f, n) in flats.items() if n < alone),
+                           key=lambda item: item[0])
             if short:
-                found.update(zip(short, _joined_stats(list(short.values()), fmts or (dt,))))
-    names = {f.name: None for f in fmts}
+                stats = _joined_stats([f for _, _, f in short], [n for n, _, _ in short],
+                                      fmts or (dt,))
+                found.update(zip((i for _, i, _ in short), stats))
+    names = tuple({f.name: None for f in fmts})
     out = []
     for s in seen:
         covs, hist = found.get(id(s.flat), _NONE)
-        c0 = next(iter(covs.values()), None)  # amax and min |x| are the same in every format
+        c0 = next(iter(covs.values())) if covs else None  # amax, min |x|: same in every format
         out.append(_stats(
             s.name, s.module, s.kind, s.shape, _dtype(s.dtype), s.flat.numel(),
             c0.amax if c0 else math.nan, c0.min_nonzero if c0 else math.nan,
-            tuple(hist), tuple(covs[f] for f in names) if c0 else (), s.calls, s.tensor))
+            tuple(hist), tuple([covs[f] for f in names]) if c0 else (), s.calls, s.tensor))
     return out
 
 
-def _joined_stats(flats: list[torch.Tensor], fmts: tuple) -> list[tuple]:
+def _joined_stats(flats: list[torch.Tensor], lengths: list[int], fmts: tuple) -> list[tuple]:
     """segment_stats of short flat tensors joined by one cat (into a kept buffer on CPU:
     fresh memory costs more than the copy)."""
-    lengths = [f.numel() for f in flats]
     n = sum(lengths)
     if flats[0].is_cpu and flats[0].dtype == torch.float32 and n <= _bitkeys._CHUNK and \
             _SCRATCH_LOCK.acquire(blocking=False):
@@ -140,14 +141,17 @@ def _joined_stats(flats: list[torch.Tensor], fmts: tuple) -> list[tuple]:
 
 
 _NONE: tuple = ({}, ())
-_FIELDS = tuple(f.name for f in dataclasses.fields(TensorStats))
-
-
-def _stats(*values: object) -> TensorStats:
-    """TensorStats(*values), set in one step (a frozen dataclass's __init__ sets each field
-    on its own, which costs more than the rest of a record's bookkeeping)."""
+def _stats(name: str, module: str, kind: str, shape: tuple[int, ...], dtype: str, count: int,
+           amax: float, min_nonzero: float, histogram: tuple[int, ...],
+           coverages: tuple[Coverage, ...], calls: int, tensor: torch.Tensor | None
+           ) -> TensorStats:
+    """TensorStats(...) with its fields set in one step (a frozen dataclass's __init__ sets
+    them one by one, which costs more than the rest of a record's bookkeeping)."""
     t = object.__new__(TensorStats)
-    t.__dict__.update(zip(_FIELDS, values))
+    object.__setattr__(t, "__dict__", {
+        "name": name, "module": module, "kind": kind, "shape": shape, "dtype": dtype,
+        "count": count, "amax": amax, "min_nonzero": min_nonzero, "histogram": histogram,
+        "coverages": coverages, "calls": calls, "tensor": tensor})
     return t
 
 
