@@ -160,6 +160,7 @@ def _one_segment(x: torch.Tensor, plan: _Plan, absolute: bool = False
 
 @functools.lru_cache(maxsize=16)
 def _below_index(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """Per threshold t, the index of the cumulative key count just below it (t - 1)."""
     return torch.tensor([max(t - 1, 0) for t in plan.thresholds], device=device)
 
 
@@ -212,7 +213,7 @@ def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
     classes, counted by (class, segment) in one bincount."""
     nseg, nc, dev = len(lengths), len(plan.thresholds), x.device
     with _buffers(x.numel(), dev) as (b, k, t):
-        if absolute:
+        if absolute and x.is_contiguous():  # (the extremes view it as a matrix)
             b = x.view(torch.int32)
         else:
             torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
@@ -253,7 +254,7 @@ def _extremes(b: torch.Tensor, scratch: torch.Tensor, lengths: Sequence[int]) ->
     return ext
 
 
-_CACHED = 1 << 20  # elements: offsets of runs up to this long are cached
+_CACHED = 1 << 20  # elements: segment indices of runs up to this long are cached
 
 
 @functools.lru_cache(maxsize=4)
@@ -320,6 +321,7 @@ def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torc
 
 @functools.lru_cache(maxsize=16)
 def _cols(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """Per value of the plan, the row of its threshold in the counts."""
     return torch.tensor(plan.cols, device=device)
 
 
