@@ -200,3 +200,15 @@ def test_records_made_in_one_step_have_every_field_of_their_dataclass():
     assert plain == c and hash(plain) == hash(c)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.count = 0
+
+
+def test_flat_tuple_outputs_are_named_as_the_tree_walker_names_them():
+    from ampnb._tree import named_tensors
+    from ampnb.instruments.tensor_capture import _float_tensors
+
+    t = torch.ones(2)
+    for out in ((t, None, t.int(), t.half()), (t,), (), (t, (t, None)), [t, t], (None, 3, t)):
+        expected = [(k, v) for k, v in named_tensors(out) if v.is_floating_point()]
+        got = _float_tensors(out)
+        assert [k for k, _ in got] == [k for k, _ in expected], out
+        assert all(a is b for (_, a), (_, b) in zip(got, expected))
