@@ -140,7 +140,9 @@ def _joined_stats(flats: list[torch.Tensor], lengths: list[int], fmts: tuple) ->
     return segment_stats(flat, lengths, fmts, absolute=True)
 
 
-_NONE: tuple = ({}, ())
+_NONE: tuple = ({}, ())  # (coverages, histogram) of an empty tensor
+
+
 def _stats(name: str, module: str, kind: str, shape: tuple[int, ...], dtype: str, count: int,
            amax: float, min_nonzero: float, histogram: tuple[int, ...],
            coverages: tuple[Coverage, ...], calls: int, tensor: torch.Tensor | None
