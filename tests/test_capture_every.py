@@ -66,9 +66,9 @@ def test_a_container_output_is_copied_and_summarized_once(monkeypatch):
     sizes = []
     real = summaries.segment_stats
 
-    def spy(flat, lengths, fmts):
+    def spy(flat, lengths, fmts, **kw):
         sizes.extend(lengths)
-        return real(flat, lengths, fmts)
+        return real(flat, lengths, fmts, **kw)
 
     monkeypatch.setattr(summaries, "segment_stats", spy)
     with ampnb.capture(model, kinds=["activation"]) as cap:

@@ -91,11 +91,11 @@ def _split_table(plan: _Plan, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _classes(plan: _Plan, device: torch.device) -> torch.Tensor:
-    """Class of every key, for per-segment counting."""
+def _classes(plan: _Plan, device: torch.device, scale: int = 1) -> torch.Tensor:
+    """Class of every key (times scale), for per-segment counting."""
     keys = torch.arange(_KEYS, dtype=torch.int32)
     t = torch.tensor(plan.thresholds, dtype=torch.int32)
-    return (torch.bucketize(keys, t, right=True, out_int32=True) - 1).to(device)
+    return ((torch.bucketize(keys, t, right=True, out_int32=True) - 1) * scale).to(device)
 
 
 _SCRATCH: dict[str, torch.Tensor] = {}
@@ -143,27 +143,41 @@ def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> int:
     return int(t.bitwise_xor_(_SIGN).amin()) - _SIGN + 1
 
 
-def _one_segment(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, list[int]]:
-    """Counts of key >= each threshold, and the (amax, min |x|>0) bits, of one flat tensor."""
+def _one_segment(x: torch.Tensor, plan: _Plan, absolute: bool = False
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """Counts of key >= each threshold (a column), and the (amax, min |x|>0) bits, of one
+    flat tensor."""
     n = x.numel()
     size = n if x.is_cuda else min(n, _CHUNK)
     with _buffers(size, x.device) as bufs:
-        table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device))
-    below = torch.cat([table.new_zeros(1), table.cumsum(0)])  # below[k] = how many keys < k
-    ge = n - below[torch.tensor(plan.thresholds, device=x.device)]
-    return ge[None], [hi, lo]
+        table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device), absolute)
+    # how many keys >= t = n - how many keys < t = n - cumsum[t - 1] (none below key 0)
+    below = table.cumsum(0).index_select(0, _below_index(plan, x.device))
+    if plan.thresholds[0] == 0:
+        below[0] = 0
+    return (n - below)[:, None], [hi, lo]
 
 
-def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor
-                  ) -> tuple[torch.Tensor, int, int]:
-    """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0."""
+@functools.lru_cache(maxsize=16)
+def _below_index(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """Per threshold t, the index of the cumulative key count just below it (t - 1)."""
+    return torch.tensor([max(t - 1, 0) for t in plan.thresholds], device=device)
+
+
+def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor,
+                  absolute: bool = False) -> tuple[torch.Tensor, int, int]:
+    """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0.
+    absolute: x already holds |x| (as staged by capture), so its bits are used as they are."""
     b, k, t = bufs
     n, size = x.numel(), b.numel()
     table, hi, lo = None, -1, _INF_BITS
     for s in range(0, n, size):
         part = x[s:s + size]
         bb, kk, tt = b[:part.numel()], k[:part.numel()], t[:part.numel()]
-        torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bb)
+        if absolute:
+            bb = part.view(torch.int32)
+        else:
+            torch.bitwise_and(part.view(torch.int32), 0x7FFFFFFF, out=bb)
         cmin, cmax = (int(v) for v in torch.aminmax(bb))
         # Exact extremes cost a masked pass only where zeros or inf/NaN are present.
         hi = max(hi, cmax if cmax < _INF_BITS else _finite_max(bb, kk))
@@ -193,37 +207,71 @@ def _bincount(k: torch.Tensor) -> torch.Tensor:
     return torch.bincount(k[:half], minlength=_KEYS).add_(other.result())
 
 
-def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
-                   ) -> tuple[torch.Tensor, list[int]]:
-    """The same for each short segment of a flat tensor: keys mapped to classes, counted by
-    (segment, class) in one bincount."""
+def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
+                   absolute: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The same for each short segment of a flat tensor (a column each): keys mapped to
+    classes, counted by (class, segment) in one bincount."""
     nseg, nc, dev = len(lengths), len(plan.thresholds), x.device
     with _buffers(x.numel(), dev) as (b, k, t):
-        torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
-        # Per segment (max, min) of |x|'s bits; redone masked where zeros or inf/NaN spoil them.
-        parts = b.split(list(lengths))  # one call for all the views: slicing costs per call
-        ext = torch.stack([v for p in parts for v in reversed(torch.aminmax(p))]).tolist()
-        for i, part in enumerate(parts):
-            if ext[2 * i] >= _INF_BITS or ext[2 * i + 1] == 0:
-                ext[2 * i] = _finite_max(part)
-                ext[2 * i + 1] = _nonzero_min(part)
+        if absolute and x.is_contiguous():  # (the extremes view it as a matrix)
+            b = x.view(torch.int32)
+        else:
+            torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
+        ext = _extremes(b, k, lengths)
         _keys(b, k, t, _split_table(plan, dev))
-        torch.index_select(_classes(plan, dev), 0, k, out=t)  # t: each element's class
-        # One bincount over (segment, class): t += nc * its segment.
-        t.add_(torch.repeat_interleave(
-            torch.arange(0, nseg * nc, nc, dtype=torch.int32, device=dev),
-            torch.tensor(lengths, device=dev), output_size=x.numel()))
-        cls = torch.bincount(t, minlength=nseg * nc).view(nseg, nc)
-    return cls.flip(1).cumsum(1).flip(1), ext
+        # t = nseg * class + segment, for one bincount over (class, segment): class-major, so
+        # that picking values' rows later copies rows. A training loop sees the same
+        # segments at every step: their indices are cached (up to a few MB).
+        torch.index_select(_classes(plan, dev, nseg), 0, k, out=t)
+        lens = tuple(lengths)
+        t.add_(_segments(lens, dev) if x.numel() <= _CACHED else _segments.__wrapped__(lens, dev))
+        cls = torch.bincount(t, minlength=nseg * nc).view(nc, nseg)
+    return cls.flip(0).cumsum(0).flip(0), ext
+
+
+def _extremes(b: torch.Tensor, scratch: torch.Tensor, lengths: Sequence[int]) -> list[int]:
+    """Per segment the bits of (amax, min |x|>0) of |x|'s bits b. Back-to-back segments of one
+    length are reduced together, as the rows of one matrix (callers order segments by
+    length): a call per length, not per segment. Only a segment holding inf or NaN takes
+    one more pass."""
+    # (b - 1) ^ 0x7FFFFFFF = 2**31 - b for b > 0 (larger for smaller |x|), int32's min for 0
+    torch.sub(b, 1, out=scratch).bitwise_xor_(0x7FFFFFFF)
+    his, los, at, pos = [], [], [], 0
+    for n, same in itertools.groupby(lengths):
+        m = len(list(same))
+        his.append(b[pos:pos + m * n].view(m, n).amax(1))
+        los.append(scratch[pos:pos + m * n].view(m, n).amax(1))
+        at.extend(range(pos, pos + m * n, n))
+        pos += m * n
+    found = torch.cat(his + los).tolist()
+    k = len(lengths)
+    ext = []
+    for i in range(k):
+        hi = found[i]
+        if hi >= _INF_BITS:
+            hi = _finite_max(b[at[i]:at[i] + lengths[i]])
+        ext += [hi, (1 << 31) - found[k + i]]
+    return ext
+
+
+_CACHED = 1 << 20  # elements: segment indices of runs up to this long are cached
+
+
+@functools.lru_cache(maxsize=4)
+def _segments(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The segment of each element, int32 (making them costs more than adding them)."""
+    return torch.repeat_interleave(
+        torch.arange(len(lengths), dtype=torch.int32, device=device),
+        torch.tensor(lengths, device=device), output_size=sum(lengths))
 
 
 _ALONE = 1 << 16  # a segment this long is counted on its own (its bincount is no overhead)
 
 
-def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
-                   ) -> tuple[torch.Tensor, list[int]]:
-    """g[s, j] = how many |x| >= plan.values[j] in each segment of a flat float32 tensor, and
-    per segment the bits of (amax, min |x|>0). A long segment is counted alone; runs of short
+def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
+                   absolute: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """g[j, s] = how many |x| >= plan.values[j] in each segment s of a flat float32 tensor,
+    and per segment the bits of (amax, min |x|>0). A long segment is counted alone; runs of short
     ones together, up to _CHUNK elements a pass (slices of x: nothing is copied)."""
     runs: list[tuple[int, int]] = []  # [first, last) segment indices
     size = 0
@@ -239,22 +287,25 @@ def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan
     rows, ext = [], []
     for first, last, alone in runs:
         part, lens = x[starts[first]:starts[last]], lengths[first:last]
-        ge, e = _one_segment(part, plan) if alone else _many_segments(part, lens, plan)
+        ge, e = _one_segment(part, plan, absolute) if alone else \
+            _many_segments(part, lens, plan, absolute)
         rows.append(_value_counts(part, lens, plan, ge))
         ext.extend(e)
-    return (torch.cat(rows) if len(rows) > 1 else rows[0]), ext
+    return (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]), ext
 
 
 def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torch.Tensor
                   ) -> torch.Tensor:
     """How many |x| >= v for every value of the plan, per segment: key counts, plus one masked
     pass over a straggler's cell in the segments that have elements there."""
-    g = ge[:, torch.tensor(plan.cols, device=ge.device)]
+    g = ge.index_select(0, _cols(plan, ge.device))
     if not plan.stragglers:
         return g
+    first, above = _held_cols(plan, ge.device)
+    held = (ge.index_select(0, first) - ge.index_select(0, above)).t().tolist()
+    if not any(map(any, held)):  # the usual case: no element in any straggler's cell
+        return g
     starts = list(itertools.accumulate([0, *lengths]))
-    held = torch.stack([ge[:, plan.col(_first_key(plan, c, ix))] - ge[:, plan.col(2 * c + 2)]
-                        for c, ix in plan.stragglers], dim=1).tolist()
     for j, (cell, idx) in enumerate(plan.stragglers):
         idx = sorted(idx, key=lambda i: plan.values[i])
         bounds = torch.tensor([_bits(plan.values[i]) for i in idx], dtype=torch.int32,
@@ -264,8 +315,23 @@ def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torc
             inside = b[(b >> _LOW) == cell]
             below = torch.bucketize(inside, bounds, right=True)  # how many bounds are <= b
             per = torch.bincount(below, minlength=len(idx) + 1)
-            g[s, idx] += per.flip(0).cumsum(0).flip(0)[1:]  # how many b >= each bound
+            g[idx, s] += per.flip(0).cumsum(0).flip(0)[1:]  # how many b >= each bound
     return g
+
+
+@functools.lru_cache(maxsize=16)
+def _cols(plan: _Plan, device: torch.device) -> torch.Tensor:
+    """Per value of the plan, the row of its threshold in the counts."""
+    return torch.tensor(plan.cols, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _held_cols(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns of the key counts whose difference is how many elements each straggler's cell
+    holds at or above its lowest key that needs the masked pass."""
+    return (torch.tensor([plan.col(_first_key(plan, c, ix)) for c, ix in plan.stragglers],
+                         device=device),
+            torch.tensor([plan.col(2 * c + 2) for c, _ in plan.stragglers], device=device))
 
 
 def _first_key(plan: _Plan, cell: int, idx: Sequence[int]) -> int:

@@ -59,6 +59,19 @@ class Coverage(TableView):
         return coverage_table([self])
 
 
+def _coverage(name: str, n: int, over: int, under: int, sub: int, normal: int, zero: int,
+              nonfinite: int, amax: float, min_nz: float) -> Coverage:
+    """Coverage(...) with its fields set in one step rather than one by one, as a frozen
+    dataclass's __init__ does (a third of the cost): this runs for every format of every
+    captured tensor."""
+    c = object.__new__(Coverage)
+    object.__setattr__(c, "__dict__", {
+        "format": name, "count": n, "n_overflow": over, "n_underflow": under,
+        "n_subnormal": sub, "n_normal": normal, "n_zero": zero, "n_nonfinite": nonfinite,
+        "amax": amax, "min_nonzero": min_nz})
+    return c
+
+
 CATEGORIES = ("overflow", "underflow", "subnormal", "normal", "zero", "nonfinite")
 
 
@@ -77,22 +90,23 @@ def _as_float_tensor(x: object, what: str = "coverage") -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike]
-                  ) -> list[tuple[dict[str, Coverage], list[int]]]:
+def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike],
+                  absolute: bool = False) -> list[tuple[dict[str, Coverage], list[int]]]:
     """Coverage in every format and the exponent histogram of each segment of a flat tensor.
 
     Every count is "how many |x| >= b". For float32 they come from the bit pattern: a 16-bit
     key per element, one bincount, on the tensor's own device (see _bitkeys); only small
-    count tables come back to the host. float64 takes a bucketize.
+    count tables come back to the host. float64 takes a bucketize. absolute: flat holds |x|
+    already (sign bits clear, as capture stages it), which saves a pass.
     """
     fmts = tuple(get_format(f) for f in formats)
     if flat.dtype != torch.float32 or not all(lengths):
         return _bucketize_stats(flat, lengths, fmts)
     plan = _plan(fmts)
-    g, ext = count_segments(flat, lengths, plan)
+    g, ext = count_segments(flat, lengths, plan, absolute)
     lo, hi = _levels(plan, g.device)
     nv, out = plan.head, []  # the edges' counts are only needed as histogram differences
-    rows = torch.cat([g[:, :nv], g[:, lo] - g[:, hi]], dim=1).tolist()
+    rows = torch.cat([g[:nv], g.index_select(0, lo) - g.index_select(0, hi)]).t().tolist()
     at = {v: i for i, v in enumerate(plan.values[:nv])}
     cols = [(f.name, at[pu], at[pn], at[po]) for f, (pu, pn, po) in zip(fmts, plan.cuts)]
     i0, itiny, iinf = (at[v] for v in _SHARED)
@@ -103,8 +117,8 @@ def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[
         min_nz = (_value(lo_bits) if lo_bits < _INF_BITS else math.inf) if gtiny > ginf \
             else math.nan
         # Positional: this runs for every format of every captured tensor.
-        out.append(({name: Coverage(name, n, row[po] - ginf, gtiny - row[pu], row[pu] - row[pn],
-                                    row[pn] - row[po], g0 - gtiny, n - g0 + ginf, amax, min_nz)
+        out.append(({name: _coverage(name, n, row[po] - ginf, gtiny - row[pu], row[pu] - row[pn],
+                                     row[pn] - row[po], g0 - gtiny, n - g0 + ginf, amax, min_nz)
                      for name, pu, pn, po in cols}, row[nv:]))
     return out
 

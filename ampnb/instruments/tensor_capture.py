@@ -19,6 +19,7 @@ from ampnb.instruments.summaries import (
     TensorStats,
     _copy,
     _Seen,
+    _stage,
     summarize_many,
 )
 
@@ -63,37 +64,38 @@ class Capture(TableView, Guard):
         self._pending: dict[tuple[str, str], _Seen] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []  # live until exit
         self._armed: list[torch.utils.hooks.RemovableHandle] = []  # only while capturing
-        self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        self._copies: dict[int, tuple[weakref.ref, int, _Seen]] = {}
         self._targets: list[tuple[str, nn.Module, list[tuple[str, torch.Tensor]]]] = []
 
     def _wanted(self, path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
     def _record(self, x: torch.Tensor, name: str, kind: str, module: str) -> None:
-        # Only a copy is taken here (weights too: an optimizer step may change them in place);
+        # Only |x| is staged here (weights too: an optimizer step may change them in place);
         # summaries wait for exit (or the first look) and are then computed for all tensors
-        # together, in one pass, which costs far less than one call per tensor.
+        # together, in one pass, which costs far less than one call per tensor. This runs for
+        # every tensor every hook sees: it is kept to a few calls.
         key = (name, kind)
         old = self._pending.get(key) or self._stats.get(key)
-        self._pending[key] = _Seen(self._copy_once(x), name, kind, module,
-                                   old.calls + 1 if old else 1)
-        self._stats.setdefault(key, None)
-
-    def _copy_once(self, x: torch.Tensor) -> torch.Tensor:
-        """One private copy per tensor object and version: a container's output is usually
-        its last child's output, and is then copied (and later summarized) once."""
+        calls = old.calls + 1 if old else 1
+        # One private copy per tensor object and version: a container's output is usually
+        # its last child's output, and is then staged (and later summarized) once.
         seen = self._copies.get(id(x))
         if seen is not None and seen[0]() is x and seen[1] == x._version:
-            return seen[2]
-        copy = _copy(x)
-        self._copies[id(x)] = (weakref.ref(x), x._version, copy)
-        return copy
+            s = seen[2]
+            self._pending[key] = _Seen(s.flat, s.shape, s.dtype, name, kind, module, calls,
+                                       s.tensor)
+        else:
+            s = self._pending[key] = _Seen(_stage(x), tuple(x.shape), x.dtype, name, kind,
+                                           module, calls, _copy(x) if self.keep else None)
+            self._copies[id(x)] = (weakref.ref(x), x._version, s)
+        self._stats.setdefault(key, None)
 
     def _flush(self) -> None:
         self._copies.clear()
         if self._pending:
             pending, self._pending = self._pending, {}
-            for key, s in zip(pending, summarize_many(pending.values(), self.formats, self.keep)):
+            for key, s in zip(pending, summarize_many(pending.values(), self.formats)):
                 self._stats[key] = s
 
     def _forward_hook(self, path: str):
@@ -149,9 +151,13 @@ class Capture(TableView, Guard):
     def _attach(self) -> Capture:
         """Hook the model (Guard's enter: all hooks or none, interrupts held back)."""
         try:
+            every = self.patterns == ("*",)
+            # A module's own parameters straight from _parameters: named_parameters() walks
+            # them through generators, which costs more than hooking the module.
             self._targets = [(path, m, [(f"{path}.{n}" if path else n, p)
-                                        for n, p in m.named_parameters(recurse=False)])
-                             for path, m in self.model.named_modules() if self._wanted(path)]
+                                        for n, p in m._parameters.items() if p is not None])
+                             for path, m in self.model.named_modules()
+                             if every or self._wanted(path)]
             if "weight" in self.kinds:
                 self._record_weights()
             self._handles.append(self.model.register_forward_pre_hook(self._on_forward))

@@ -1,0 +1,214 @@
+"""capture's staging: |x| copied at hook time, short copies joined (in length order) and counted
+together. Every record must equal what the tensor alone gives, whatever sits beside it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ampnb
+from ampnb.formats import get_format
+from ampnb.instruments import coverage_stats as cs
+from ampnb.instruments.coverage_stats import exponent_histogram
+
+FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+INF, NAN = math.inf, math.nan
+
+
+class _Emit(nn.Module):
+    """Returns a fixed tensor (the input only orders the calls)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__()
+        self.t = t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.t.clone()
+
+
+class _Many(nn.Module):
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(_Emit(t) for t in tensors)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [p(x) for p in self.parts]
+
+
+def _awkward() -> list[torch.Tensor]:
+    """Tensors that catch a wrong offset, a lost sign bit or a mixed-up segment: equal and
+    unequal lengths interleaved, empty ones, zeros only, inf/NaN only (negative NaN too),
+    subnormals, narrow and wide dtypes, a non-contiguous view."""
+    g = torch.Generator().manual_seed(7)
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    neg_nan = torch.tensor([-1], dtype=torch.int32).view(torch.float32)  # sign bit set
+    return [
+        r(64), r(3, 5, scale=1e-3), r(64, scale=1e4), torch.zeros(0), r(64, scale=1e-6),
+        torch.zeros(7), torch.tensor([INF, -INF, NAN]), torch.cat([neg_nan, -r(4)]),
+        torch.tensor([-0.0, 2.0**-149, -(2.0**-140), 0.0]), r(64).half(), r(5, 7).bfloat16(),
+        (r(9, scale=1e3) * torch.tensor([1.0, -1.0] * 4 + [0.0])).double(),
+        r(8, 6).t(), torch.tensor(-3.5), r(1000, scale=2.0**-20), r(64, scale=65504.0),
+        torch.tensor([NAN, 0.0, -0.0]), r(64, scale=1e-30),
+    ]
+
+
+def _expected(t: torch.Tensor):
+    """(counts per format, amax, min |x|>0, histogram) of one tensor on its own, from the
+    general path (one bucketize over |x|) and torch's own reductions."""
+    if not t.numel():
+        return None
+    wide = t.detach().reshape(-1)
+    wide = wide if wide.dtype in (torch.float32, torch.float64) else wide.float()
+    covs, _ = cs._bucketize_stats(wide, [wide.numel()], [get_format(f) for f in FORMATS])[0]
+    a = t.detach().double().abs()
+    finite = a[a.isfinite()]
+    amax = finite.max().item() if finite.numel() else NAN
+    nz = finite[finite > 0]
+    return ({f: _counts(covs[f]) for f in FORMATS}, amax, nz.min().item() if nz.numel() else NAN,
+            tuple(exponent_histogram(t).tolist()))
+
+
+def _counts(c):
+    return (c.count, c.n_overflow, c.n_underflow, c.n_subnormal, c.n_normal, c.n_zero,
+            c.n_nonfinite)
+
+
+def _same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _check(record, t: torch.Tensor) -> None:
+    assert record.shape == tuple(t.shape) and record.count == t.numel()
+    assert record.dtype == str(t.dtype)[6:]
+    exp = _expected(t)
+    if exp is None:
+        assert record.coverages == () and math.isnan(record.amax)
+        return
+    counts, amax, min_nz, hist = exp
+    assert {f: _counts(record.coverage(f)) for f in FORMATS} == counts, record.name
+    assert _same_float(record.amax, amax), (record.name, record.amax, amax)
+    assert _same_float(record.min_nonzero, min_nz), (record.name, record.min_nonzero, min_nz)
+    assert record.histogram == hist, record.name
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_every_record_equals_its_tensor_alone(keep):
+    tensors = _awkward()
+    model = _Many(tensors)
+    with ampnb.capture(model, kinds=["activation"], formats=FORMATS, keep=keep) as cap:
+        model(torch.zeros(1))
+    for i, t in enumerate(tensors):
+        s = cap.get(f"parts.{i}", "activation")
+        _check(s, t)
+        if keep:  # the exact tensor, in its own dtype and shape
+            assert s.tensor.dtype == t.dtype and torch.equal(s.tensor.nan_to_num(), t.nan_to_num())
+        else:
+            assert s.tensor is None
+
+
+def test_many_small_segments_of_few_lengths_against_the_general_path():
+    """Segments of one length side by side are reduced as one matrix: each row must stay its
+    own segment, also where one row holds only zeros, only inf/NaN, or a tiny subnormal."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(24):
+        n = (5, 5, 5, 9)[i % 4]
+        x = torch.randn(n, generator=g) * 10.0 ** (i % 7 - 3)
+        if i % 6 == 1:
+            x.zero_()
+        if i % 6 == 2:
+            x[:] = torch.tensor([INF, NAN, -INF, NAN, -NAN, INF, 1.0, NAN, -INF])[:n]
+            x[-1] = NAN if i % 12 == 2 else x[-1]
+        if i % 6 == 3:
+            x[0] = -(2.0**-149)
+        rows.append(x)
+    order = sorted(range(len(rows)), key=lambda i: rows[i].numel())
+    flat = torch.cat([rows[i].abs() for i in order])
+    lengths = [rows[i].numel() for i in order]
+    fmts = [get_format(f) for f in FORMATS]
+    fast = cs.segment_stats(flat, lengths, fmts, absolute=True)
+    general = cs._bucketize_stats(flat, lengths, fmts)
+    assert [h for _, h in fast] == [h for _, h in general]
+    for (cf, _), (cg, _) in zip(fast, general):
+        for f in cf:
+            assert _counts(cf[f]) == _counts(cg[f])
+            assert _same_float(cf[f].amax, cg[f].amax)
+            assert _same_float(cf[f].min_nonzero, cg[f].min_nonzero)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_what_was_seen_is_a_copy_in_every_dtype(dtype):
+    """An in-place change after the hook (ReLU(inplace=True)) does not reach the record."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(inplace=True)).to(dtype)
+    x = torch.randn(16, 3).to(dtype)
+    with ampnb.capture(model, kinds=["activation"], modules="0", keep=True) as cap:
+        model(x)
+    pre = model[0](x)
+    assert (pre < 0).any()
+    _check(cap.get("0", "activation"), pre)
+    assert torch.equal(cap.get("0", "activation").tensor, pre)
+
+
+def test_the_same_shapes_captured_twice_give_each_call_its_own_counts():
+    """A training loop sees the same segments every step (their offsets are cached): the
+    second capture must count its own values."""
+    tensors = _awkward()
+    model = _Many(tensors)
+    for scale in (1.0, 1e3):
+        for e, t in zip(model.parts, tensors):
+            e.t = t * scale
+        with ampnb.capture(model, kinds=["activation"], formats=FORMATS) as cap:
+            model(torch.zeros(1))
+        for i, e in enumerate(model.parts):
+            _check(cap.get(f"parts.{i}", "activation"), e.t)
+
+
+def test_segments_of_other_lengths_but_the_same_count_and_total():
+    """Per-element segment indices are cached by the segments' lengths: [3, 5] then [5, 3]
+    (same number, same total) must each be counted by its own lengths."""
+    g = torch.Generator().manual_seed(5)
+    fmts = [get_format(f) for f in FORMATS]
+    for lengths in ([3, 5], [5, 3], [3, 5]):
+        flat = (torch.randn(8, generator=g) * torch.tensor([1e-9, 1e3] * 4)).abs()
+        fast = cs.segment_stats(flat, lengths, fmts, absolute=True)
+        general = cs._bucketize_stats(flat, lengths, fmts)
+        assert [h for _, h in fast] == [h for _, h in general], lengths
+        for (cf, _), (cg, _) in zip(fast, general):
+            assert [_counts(c) for c in cf.values()] == [_counts(c) for c in cg.values()]
+
+
+def test_records_made_in_one_step_have_every_field_of_their_dataclass():
+    """Records are built without the dataclasses' __init__ (cost): every field must be set,
+    and a Coverage must equal (and hash like) one built the ordinary way."""
+    import dataclasses
+
+    model = _Many(_awkward()[:3])
+    with ampnb.capture(model, kinds=["activation"], formats=FORMATS) as cap:
+        model(torch.zeros(1))
+    s = cap.get("parts.0", "activation")
+    assert vars(s).keys() == {f.name for f in dataclasses.fields(type(s))}
+    c = s.coverage("fp16")
+    assert vars(c).keys() == {f.name for f in dataclasses.fields(type(c))}
+    plain = type(c)(**vars(c))
+    assert plain == c and hash(plain) == hash(c)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.count = 0
+
+
+def test_flat_tuple_outputs_are_named_as_the_tree_walker_names_them():
+    from ampnb._tree import named_tensors
+    from ampnb.instruments.tensor_capture import _float_tensors
+
+    t = torch.ones(2)
+    for out in ((t, None, t.int(), t.half()), (t,), (), (t, (t, None)), [t, t], (None, 3, t)):
+        expected = [(k, v) for k, v in named_tensors(out) if v.is_floating_point()]
+        got = _float_tensors(out)
+        assert [k for k, _ in got] == [k for k, _ in expected], out
+        assert all(a is b for (_, a), (_, b) in zip(got, expected))
