@@ -139,7 +139,37 @@ def _one(label, model, batch, loss_fn, optimizer, batches, device: str,
     return rows
 
 
+def _larger(device: str) -> list[Result]:
+    """Capture every=1 on a 5.3M-parameter GPT-2 from a config: per-tensor fixed costs weigh
+    less there than on the tiny demo and zoo models (reported next to them, not judged)."""
+    import ampnb
+    from benchmarks._common import gpt2_5m
+
+    model, batch, optimizer = gpt2_5m()
+    step = _step_fn(model.to(device), None, optimizer, [batch], device)
+
+    def captured() -> None:
+        with ampnb.capture(model) as cap:
+            step()
+        assert cap.records
+
+    cpu = device == "cpu"
+    with one_thread(cpu):
+        t = interleaved_medians({"plain": step, "capture": captured}, repeat=5, warmup=1,
+                                device=device, clock=time.thread_time if cpu else time.perf_counter)
+    where = f"{device}, 1 thread" if cpu else device
+    return [Result(f"capture of one whole step, every tensor (every=1) (GPT-2 from config, "
+                   f"{sum(p.numel() for p in model.parameters()):,} params, {where})",
+                   f"with capture {ms(t['capture'])}, plain step {ms(t['plain'])}",
+                   t["capture"] / t["plain"], "reported", None)]
+
+
 def run() -> list[Result]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cases = [(*_demo(n, device), True) for n in DEMOS] + [(*c, False) for c in _zoo(device)]
-    return [r for *case, loop in cases for r in _one(*case, device=device, loop=loop)]
+    rows = [r for *case, loop in cases for r in _one(*case, device=device, loop=loop)]
+    try:
+        rows += _larger(device)
+    except ImportError:  # transformers absent
+        pass
+    return rows
