@@ -103,7 +103,7 @@ def _register(op: Any, key: str) -> torch.library.Library:
     return lib
 
 
-def _step(override: KernelOverride, op: Any, call: Callable[..., Any], *args: Any,
+def _step(override: KernelOverride, op: Any, call: Callable[..., Any], /, *args: Any,
           **kwargs: Any) -> Any:
     return override.run(op, call, args, kwargs)
 
