@@ -206,7 +206,7 @@ def native_slowdown() -> float:
             torch.mm(a, b)
 
     with torch.no_grad():
-        emulated()  # warm-up: the first call sets the dispatch mode's caches up
+        emulated()  # warm-up: the first call registers the override and caches dtypes
         # the native fallback is slow enough (tenths of a second) that two runs time it well
         return _best_seconds(lambda: torch.mm(a, b), 2) / _best_seconds(emulated, 5)
 

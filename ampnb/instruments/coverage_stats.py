@@ -117,22 +117,19 @@ def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[
         min_nz = (_value(lo_bits) if lo_bits < _INF_BITS else math.inf) if gtiny > ginf \
             else math.nan
         # Positional: this runs for every format of every captured tensor.
-        out.append(({name: _coverage(name, n, row[po] - ginf, gtiny - row[pu], row[pu] - row[pn],
-                                     row[pn] - row[po], g0 - gtiny, n - g0 + ginf, amax, min_nz)
+        out.append(({name: _from_counts(name, n, row[pu], row[pn], row[po], g0, gtiny, ginf,
+                                        amax, min_nz)
                      for name, pu, pn, po in cols}, row[nv:]))
     return out
 
 
-def _coverages(fmts: Sequence[FloatFormat], cuts: Sequence[tuple[float, ...]], g: dict,
-               n: int, amax: float, min_nz: float, g0: int, gtiny: int, ginf: int
-               ) -> dict[str, Coverage]:
-    """Coverage records from counts g[b] = how many |x| >= b (g0, gtiny, ginf: b = 0, tiny, inf)."""
-    return {f.name: Coverage(
-        format=f.name, count=n, n_overflow=g[po] - ginf, n_underflow=gtiny - g[pu],
-        n_subnormal=g[pu] - g[pn], n_normal=g[pn] - g[po], n_zero=g0 - gtiny,
-        n_nonfinite=n - g0 + ginf, amax=amax if g0 > ginf else math.nan,
-        min_nonzero=min_nz if gtiny > ginf else math.nan)
-        for f, (pu, pn, po) in zip(fmts, cuts)}
+def _from_counts(name: str, n: int, gu: int, gn: int, go: int, g0: int, gtiny: int,
+                 ginf: int, amax: float, min_nz: float) -> Coverage:
+    """One format's Coverage from counts of |x| >= b: at its cuts (past underflow gu, normal gn,
+    overflow go) and at 0, float32's tiniest value and inf. Positional: this runs for every
+    format of every captured tensor."""
+    return _coverage(name, n, go - ginf, gtiny - gu, gu - gn, gn - go, g0 - gtiny,
+                     n - g0 + ginf, amax, min_nz)
 
 
 def _bucketize_stats(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[FloatFormat]
@@ -162,7 +159,11 @@ def _bucketize_stats(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[
     for n, row in zip(lengths, rows):
         g = {b: int(v) for b, v in zip(bnd, row[:-2])}
         gtiny, ginf = g[work.smallest_subnormal], g[math.inf]
-        covs = _coverages(fmts, cuts, g, n, *row[-2:], g[0.0], gtiny, ginf)
+        g0, (amax, min_nz) = g[0.0], row[-2:]
+        covs = {f.name: _from_counts(f.name, n, g[pu], g[pn], g[po], g0, gtiny, ginf,
+                                     amax if g0 > ginf else math.nan,
+                                     min_nz if gtiny > ginf else math.nan)
+                for f, (pu, pn, po) in zip(fmts, cuts)}
         levels = [gtiny, *(g[e] for e in _EDGES), ginf]
         out.append((covs, [int(levels[j] - levels[j + 1]) for j in range(len(levels) - 1)]))
     return out
