@@ -64,13 +64,13 @@ def test_between_captured_calls_only_the_counting_hook_stays():
 def test_a_container_output_is_copied_and_summarized_once(monkeypatch):
     model, xs, _ = _setup()
     sizes = []
-    real = summaries.segment_stats
+    real = summaries.segment_counts
 
     def spy(flat, lengths, fmts, **kw):
         sizes.extend(lengths)
         return real(flat, lengths, fmts, **kw)
 
-    monkeypatch.setattr(summaries, "segment_stats", spy)
+    monkeypatch.setattr(summaries, "segment_counts", spy)
     with ampnb.capture(model, kinds=["activation"]) as cap:
         out = model(xs[0])
     body, last = cap.get("body", "activation"), cap.get(f"body.{len(model.body) - 1}",

@@ -65,7 +65,7 @@ def _expected(t: torch.Tensor):
         return None
     wide = t.detach().reshape(-1)
     wide = wide if wide.dtype in (torch.float32, torch.float64) else wide.float()
-    covs, _ = cs._bucketize_stats(wide, [wide.numel()], [get_format(f) for f in FORMATS])[0]
+    covs, _ = cs._expand(cs._bucketize_counts(wide, [wide.numel()], [get_format(f) for f in FORMATS]))[0]
     a = t.detach().double().abs()
     finite = a[a.isfinite()]
     amax = finite.max().item() if finite.numel() else NAN
@@ -133,7 +133,7 @@ def test_many_small_segments_of_few_lengths_against_the_general_path():
     lengths = [rows[i].numel() for i in order]
     fmts = [get_format(f) for f in FORMATS]
     fast = cs.segment_stats(flat, lengths, fmts, absolute=True)
-    general = cs._bucketize_stats(flat, lengths, fmts)
+    general = cs._expand(cs._bucketize_counts(flat, lengths, fmts))
     assert [h for _, h in fast] == [h for _, h in general]
     for (cf, _), (cg, _) in zip(fast, general):
         for f in cf:
@@ -178,7 +178,7 @@ def test_segments_of_other_lengths_but_the_same_count_and_total():
     for lengths in ([3, 5], [5, 3], [3, 5]):
         flat = (torch.randn(8, generator=g) * torch.tensor([1e-9, 1e3] * 4)).abs()
         fast = cs.segment_stats(flat, lengths, fmts, absolute=True)
-        general = cs._bucketize_stats(flat, lengths, fmts)
+        general = cs._expand(cs._bucketize_counts(flat, lengths, fmts))
         assert [h for _, h in fast] == [h for _, h in general], lengths
         for (cf, _), (cg, _) in zip(fast, general):
             assert [_counts(c) for c in cf.values()] == [_counts(c) for c in cg.values()]
@@ -212,3 +212,73 @@ def test_flat_tuple_outputs_are_named_as_the_tree_walker_names_them():
         got = _float_tensors(out)
         assert [k for k, _ in got] == [k for k, _ in expected], out
         assert all(a is b for (_, a), (_, b) in zip(got, expected))
+
+
+def _two_layers() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)), torch.randn(8, 3)
+
+
+def test_gradients_are_those_at_the_end_of_their_backward():
+    """Gradients are staged together when their backward ends: an in-place change after it
+    (clipping, zero_grad(set_to_none=False)) must not reach the records."""
+    model, x = _two_layers()
+    with ampnb.capture(model, kinds=["gradient"], formats=FORMATS) as cap:
+        model(x).pow(2).sum().backward()
+        seen = {n: p.grad.clone() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        model.zero_grad(set_to_none=False)
+    for name, g in seen.items():
+        _check(cap.get(name, "gradient"), g)
+
+
+def test_gradients_of_two_backwards_count_twice_and_show_the_sum():
+    model, x = _two_layers()
+    with ampnb.capture(model, kinds=["gradient"], formats=FORMATS) as cap:
+        model(x).sum().backward()
+        model(2 * x).pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        s = cap.get(name, "gradient")
+        assert s.calls == 2
+        _check(s, p.grad)  # the accumulated gradient, as the last hook saw it
+
+
+def test_a_backward_that_raises_keeps_the_gradients_it_accumulated():
+    """A backward that stops part way never reaches its end: what it accumulated is staged
+    when the records are read, and the next backward is recorded as usual."""
+    model, x = _two_layers()
+
+    def boom(_):
+        raise RuntimeError("stop")
+
+    with ampnb.capture(model, kinds=["gradient"], formats=FORMATS) as cap:
+        h = model[1](model[0](x))
+        h.register_hook(boom)  # the last layer's gradients come before this hook
+        with pytest.raises(RuntimeError, match="stop"):
+            model[2](h).sum().backward()
+        assert model[0].weight.grad is None
+        head = model[2].weight.grad.clone()
+        assert {s.name for s in cap.records} == {"2.weight", "2.bias"}
+        _check(cap.get("2.weight", "gradient"), head)
+        model(x).sum().backward()  # a whole one: staged at its end, before what follows
+        seen = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=False)
+    for name, g in seen.items():
+        s = cap.get(name, "gradient")
+        assert s.calls == (2 if name.startswith("2.") else 1)
+        _check(s, g)
+
+
+def test_weights_of_mixed_dtypes_staged_together_equal_each_alone():
+    """Weights are staged by one cat per counting dtype: fp16, bf16, fp32 and fp64
+    parameters side by side must each give what the parameter alone gives."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(4, 5).half(), nn.Linear(5, 3), nn.Linear(3, 3).double(),
+                           nn.Linear(3, 2).bfloat16(), nn.LayerNorm(2)])
+    with torch.no_grad():
+        model[1].weight[0, :3] = torch.tensor([INF, 1e-45, 0.0])
+        model[0].weight[0, 0] = 65504.0
+    with ampnb.capture(model, kinds=["weight"], formats=FORMATS) as cap:
+        pass
+    for name, p in model.named_parameters():
+        _check(cap.get(name, "weight"), p)

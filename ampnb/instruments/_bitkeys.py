@@ -34,10 +34,6 @@ def _bits(v: float) -> int:
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
-def _value(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", bits))[0]
-
-
 @dataclass(frozen=True, eq=False)  # hashed by identity: one per format set (cached)
 class _Plan:
     """The keys one set of formats needs, and how to read every count from them."""

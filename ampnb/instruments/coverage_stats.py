@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +24,7 @@ from ampnb.instruments._bins import (  # noqa: F401
     FormatLike,
     _cut_points,
 )
-from ampnb.instruments._bitkeys import _levels, _plan, _value, count_segments
+from ampnb.instruments._bitkeys import _levels, _plan, count_segments
 
 
 @dataclass(frozen=True, repr=False)
@@ -90,9 +92,51 @@ def _as_float_tensor(x: object, what: str = "coverage") -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+@dataclass(frozen=True, eq=False)
+class SegmentCounts:
+    """Counts of every segment of a flat tensor against some formats, from one table made in a
+    few torch calls for all segments. A segment's Coverage objects and histogram are built
+    when first read: capture keeps one per record, and most are never looked at one by one."""
+
+    formats: tuple[tuple[str, int, int, int], ...]  # per format: name, cols of its three cuts
+    shared: tuple[int, int, int]  # cols of how many |x| >= 0, float32's tiniest value, inf
+    head: int                     # the histogram's bins start at this col
+    lengths: tuple[int, ...]
+    amax: list[float]             # per segment
+    min_nonzero: list[float]
+    table: torch.Tensor | list    # a row per segment (a tensor until first read)
+
+    @functools.cached_property
+    def _rows(self) -> list[list[int]]:
+        t = self.table
+        return t.tolist() if isinstance(t, torch.Tensor) else t  # one transfer for all rows
+
+    def coverages(self, i: int) -> dict[str, Coverage]:
+        """Segment i's Coverage in every format, by format name."""
+        row, n = self._rows[i], self.lengths[i]
+        g0, gtiny, ginf = (row[j] for j in self.shared)
+        amax, min_nz = self.amax[i], self.min_nonzero[i]
+        return {name: _from_counts(name, n, row[pu], row[pn], row[po], g0, gtiny, ginf, amax,
+                                   min_nz) for name, pu, pn, po in self.formats}
+
+    def histogram(self, i: int) -> tuple[int, ...]:
+        """Segment i's counts over EXP_BINS."""
+        return tuple(self._rows[i][self.head:])
+
+
 def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike],
                   absolute: bool = False) -> list[tuple[dict[str, Coverage], list[int]]]:
-    """Coverage in every format and the exponent histogram of each segment of a flat tensor.
+    """Coverage in every format and the exponent histogram of each segment of a flat tensor."""
+    return _expand(segment_counts(flat, lengths, formats, absolute))
+
+
+def _expand(c: SegmentCounts) -> list[tuple[dict[str, Coverage], list[int]]]:
+    return [(c.coverages(i), list(c.histogram(i))) for i in range(len(c.lengths))]
+
+
+def segment_counts(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike],
+                   absolute: bool = False) -> SegmentCounts:
+    """Counts of each segment of a flat tensor, for its coverage and exponent histogram.
 
     Every count is "how many |x| >= b". For float32 they come from the bit pattern: a 16-bit
     key per element, one bincount, on the tensor's own device (see _bitkeys); only small
@@ -101,26 +145,25 @@ def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[
     """
     fmts = tuple(get_format(f) for f in formats)
     if flat.dtype != torch.float32 or not all(lengths):
-        return _bucketize_stats(flat, lengths, fmts)
+        return _bucketize_counts(flat, lengths, fmts)
     plan = _plan(fmts)
     g, ext = count_segments(flat, lengths, plan, absolute)
     lo, hi = _levels(plan, g.device)
-    nv, out = plan.head, []  # the edges' counts are only needed as histogram differences
-    rows = torch.cat([g[:nv], g.index_select(0, lo) - g.index_select(0, hi)]).t().tolist()
-    at = {v: i for i, v in enumerate(plan.values[:nv])}
-    cols = [(f.name, at[pu], at[pn], at[po]) for f, (pu, pn, po) in zip(fmts, plan.cuts)]
-    i0, itiny, iinf = (at[v] for v in _SHARED)
-    for i, (n, row) in enumerate(zip(lengths, rows)):
-        hi_bits, lo_bits = ext[2 * i], ext[2 * i + 1]
-        g0, gtiny, ginf = row[i0], row[itiny], row[iinf]
-        amax = (_value(hi_bits) if hi_bits >= 0 else 0.0) if g0 > ginf else math.nan
-        min_nz = (_value(lo_bits) if lo_bits < _INF_BITS else math.inf) if gtiny > ginf \
-            else math.nan
-        # Positional: this runs for every format of every captured tensor.
-        out.append(({name: _from_counts(name, n, row[pu], row[pn], row[po], g0, gtiny, ginf,
-                                        amax, min_nz)
-                     for name, pu, pn, po in cols}, row[nv:]))
-    return out
+    at = {v: i for i, v in enumerate(plan.values[:plan.head])}
+    shared = tuple(at[v] for v in _SHARED)
+    g0, gtiny, ginf = g[list(shared)].tolist()
+    # The extremes' bits as floats in one conversion (a float32 value is exact as a double);
+    # no finite (nonzero) element: nan. (Bits past inf's, or -1, mean "none": unused.)
+    m = len(ext)
+    bits = struct.unpack(f"<{m}f", struct.pack(f"<{m}i", *[min(max(e, -1), _INF_BITS) for e in ext]))
+    amax = [bits[2 * i] if a > c else math.nan for i, (a, c) in enumerate(zip(g0, ginf))]
+    min_nz = [bits[2 * i + 1] if b > c else math.nan
+              for i, (b, c) in enumerate(zip(gtiny, ginf))]
+    # the edges' counts are only needed as histogram differences
+    table = torch.cat([g[:plan.head], g.index_select(0, lo) - g.index_select(0, hi)]).t()
+    return SegmentCounts(tuple((f.name, at[pu], at[pn], at[po])
+                               for f, (pu, pn, po) in zip(fmts, plan.cuts)),
+                         shared, plan.head, tuple(lengths), amax, min_nz, table)
 
 
 def _from_counts(name: str, n: int, gu: int, gn: int, go: int, g0: int, gtiny: int,
@@ -132,8 +175,8 @@ def _from_counts(name: str, n: int, gu: int, gn: int, go: int, g0: int, gtiny: i
                      n - g0 + ginf, amax, min_nz)
 
 
-def _bucketize_stats(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[FloatFormat]
-                     ) -> list[tuple[dict[str, Coverage], list[int]]]:
+def _bucketize_counts(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[FloatFormat]
+                      ) -> SegmentCounts:
     """The general path: one bucketize against every boundary, then one bincount."""
     work = get_format(flat.dtype)
     shared = (0.0, work.smallest_subnormal, math.inf)
@@ -155,18 +198,19 @@ def _bucketize_stats(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[
     # ge[:, j] = how many |x| >= bnd[j]; one transfer for counts and extremes together.
     ge = table.flip(1).cumsum(1).flip(1)[:, 1:]
     rows = torch.cat([ge.double(), ext.double()], dim=1).tolist()
-    out = []
-    for n, row in zip(lengths, rows):
-        g = {b: int(v) for b, v in zip(bnd, row[:-2])}
-        gtiny, ginf = g[work.smallest_subnormal], g[math.inf]
-        g0, (amax, min_nz) = g[0.0], row[-2:]
-        covs = {f.name: _from_counts(f.name, n, g[pu], g[pn], g[po], g0, gtiny, ginf,
-                                     amax if g0 > ginf else math.nan,
-                                     min_nz if gtiny > ginf else math.nan)
-                for f, (pu, pn, po) in zip(fmts, cuts)}
-        levels = [gtiny, *(g[e] for e in _EDGES), ginf]
-        out.append((covs, [int(levels[j] - levels[j + 1]) for j in range(len(levels) - 1)]))
-    return out
+    col = {b: j for j, b in enumerate(bnd)}
+    head = len(bnd)
+    out, amax, min_nz = [], [], []
+    for row in rows:
+        g = [int(v) for v in row[:head]]
+        g0, gtiny, ginf = (g[col[b]] for b in shared)
+        levels = [gtiny, *(g[col[e]] for e in _EDGES), ginf]
+        out.append(g + [levels[j] - levels[j + 1] for j in range(len(levels) - 1)])
+        amax.append(row[-2] if g0 > ginf else math.nan)
+        min_nz.append(row[-1] if gtiny > ginf else math.nan)
+    return SegmentCounts(tuple((f.name, col[pu], col[pn], col[po])
+                               for f, (pu, pn, po) in zip(fmts, cuts)),
+                         tuple(col[b] for b in shared), head, tuple(lengths), amax, min_nz, out)
 
 
 def coverage_many(x: torch.Tensor, formats: Iterable[FormatLike]) -> dict[str, Coverage]:

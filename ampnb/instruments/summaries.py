@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from ampnb.display import dtype_name
 from ampnb.formats import get_format
 from ampnb.instruments import _bitkeys
-from ampnb.instruments.coverage_stats import Coverage, segment_stats
+from ampnb.instruments.coverage_stats import Coverage, SegmentCounts, segment_counts
 from ampnb.instruments.trace import internal
 
 KINDS = ("weight", "activation", "gradient", "activation_gradient")
@@ -32,10 +33,19 @@ class TensorStats:
     count: int
     amax: float
     min_nonzero: float
-    histogram: tuple[int, ...]  # counts over EXP_BINS
-    coverages: tuple[Coverage, ...]
     calls: int = 1  # how many captured calls saw this tensor; the stats are of the last one
     tensor: torch.Tensor | None = None  # kept only with capture(..., keep=True)
+    counts: tuple[SegmentCounts, int] | None = field(default=None, repr=False)  # (table, row)
+
+    @functools.cached_property
+    def histogram(self) -> tuple[int, ...]:
+        """Counts over EXP_BINS (built from the shared count table at the first look)."""
+        return self.counts[0].histogram(self.counts[1]) if self.counts else ()
+
+    @functools.cached_property
+    def coverages(self) -> tuple[Coverage, ...]:
+        """Coverage in each captured format, in the order asked for."""
+        return tuple(self.counts[0].coverages(self.counts[1]).values()) if self.counts else ()
 
     def coverage(self, fmt: str) -> Coverage:
         """This tensor's coverage in one of the captured formats."""
@@ -75,6 +85,34 @@ def _stage(x: torch.Tensor) -> torch.Tensor:
         return _abs_copy(x)
 
 
+def _stage_many(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """_stage of many tensors at once: |x| of each as a flat view of one private buffer per
+    device and counting dtype, filled by one cat and one abs (a copy each costs a few
+    dispatcher calls, which add up over every parameter of a model)."""
+    if not torch._C._len_torch_dispatch_stack():
+        return _abs_views(xs)
+    with internal():
+        return _abs_views(xs)
+
+
+def _abs_views(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault((x.device, torch.float64 if x.dtype == torch.float64 else
+                           torch.float32), []).append(i)
+    out: list[torch.Tensor] = [None] * len(xs)  # type: ignore[list-item]
+    with torch.no_grad():  # (cheaper than a detach per tensor)
+        for (device, dtype), idx in groups.items():
+            parts = [xs[i].reshape(-1) for i in idx]
+            lengths = [t.numel() for t in parts]
+            flat = torch.empty(sum(lengths), dtype=dtype, device=device)
+            torch.cat(parts, out=flat).abs_()  # cat widens narrower formats exactly
+            out_views = flat.split(lengths)
+            for i, v in zip(idx, out_views):
+                out[i] = v
+    return out
+
+
 def _abs_copy(x: torch.Tensor) -> torch.Tensor:
     x = x.detach().ravel()  # (ravel: a third of reshape(-1)'s cost here, same result)
     # float32 and float64 make a new tensor with abs; narrower formats widen exactly first
@@ -91,40 +129,40 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
     counted in one segmented pass, each long one where it lies."""
     fmts = tuple(get_format(f) for f in formats)
     seen = list(seen)
-    groups: dict[tuple, dict[int, tuple[torch.Tensor, int]]] = {}  # (copy, n) per distinct copy
+    groups: dict[tuple, dict[int, tuple[int, torch.Tensor]]] = {}  # (n, copy) per distinct copy
     for s in seen:
         f = s.flat
         n = f.numel()
         if n:  # an empty output is a fact to show, not an error in a hook
-            groups.setdefault((f.device, f.dtype), {})[id(f)] = (f, n)
-    found: dict[int, tuple] = {}
+            groups.setdefault((f.device, f.dtype), {})[id(f)] = (n, f)
+    found: dict[int, tuple[SegmentCounts, int]] = {}  # id of a copy: (count table, its row)
     alone = _bitkeys._ALONE
     with internal():  # on private copies: no autograd to switch off
-        for (_, dt), flats in groups.items():
-            for i, (f, n) in flats.items():
+        for flats in groups.values():
+            short = []
+            for i, (n, f) in flats.items():
                 if n >= alone:
-                    found[i] = segment_stats(f, [n], fmts or (dt,), absolute=True)[0]
-            # ordered by length: the per-segment extremes then take a call per length
-            short = sorted(((n, i, f) for i, (f, n) in flats.items() if n < alone),
-                           key=lambda item: item[0])
+                    found[i] = (segment_counts(f, [n], fmts, absolute=True), 0)
+                else:
+                    short.append((n, i, f))
             if short:
-                stats = _joined_stats([f for _, _, f in short], [n for n, _, _ in short],
-                                      fmts or (dt,))
-                found.update(zip((i for _, i, _ in short), stats))
-    names = tuple({f.name: None for f in fmts})
+                # ordered by length: the per-segment extremes then take a call per length
+                short.sort(key=lambda item: item[0])
+                c = _joined_counts([f for _, _, f in short], [n for n, _, _ in short], fmts)
+                found.update((i, (c, row)) for row, (_, i, _) in enumerate(short))
     out = []
     for s in seen:
-        covs, hist = found.get(id(s.flat), _NONE)
-        c0 = next(iter(covs.values())) if covs else None  # amax, min |x|: same in every format
+        at = found.get(id(s.flat))
+        c = at[0] if at else None
         out.append(_stats(
             s.name, s.module, s.kind, s.shape, _dtype(s.dtype), s.flat.numel(),
-            c0.amax if c0 else math.nan, c0.min_nonzero if c0 else math.nan,
-            tuple(hist), tuple([covs[f] for f in names]) if c0 else (), s.calls, s.tensor))
+            c.amax[at[1]] if c else math.nan, c.min_nonzero[at[1]] if c else math.nan,
+            s.calls, s.tensor, at))
     return out
 
 
-def _joined_stats(flats: list[torch.Tensor], lengths: list[int], fmts: tuple) -> list[tuple]:
-    """segment_stats of short flat tensors joined by one cat (into a kept buffer on CPU:
+def _joined_counts(flats: list[torch.Tensor], lengths: list[int], fmts: tuple) -> SegmentCounts:
+    """segment_counts of short flat tensors joined by one cat (into a kept buffer on CPU:
     fresh memory costs more than the copy)."""
     n = sum(lengths)
     if flats[0].is_cpu and flats[0].dtype == torch.float32 and n <= _bitkeys._CHUNK and \
@@ -133,27 +171,23 @@ def _joined_stats(flats: list[torch.Tensor], lengths: list[int], fmts: tuple) ->
             if not _SCRATCH or _SCRATCH[0].numel() < n:
                 _SCRATCH[:] = [torch.empty(max(n, 1 << 16))]
             flat = torch.cat(flats, out=_SCRATCH[0][:n]) if len(flats) > 1 else flats[0]
-            return segment_stats(flat, lengths, fmts, absolute=True)
+            return segment_counts(flat, lengths, fmts, absolute=True)
         finally:
             _SCRATCH_LOCK.release()
     flat = torch.cat(flats) if len(flats) > 1 else flats[0]
-    return segment_stats(flat, lengths, fmts, absolute=True)
-
-
-_NONE: tuple = ({}, ())  # (coverages, histogram) of an empty tensor
+    return segment_counts(flat, lengths, fmts, absolute=True)
 
 
 def _stats(name: str, module: str, kind: str, shape: tuple[int, ...], dtype: str, count: int,
-           amax: float, min_nonzero: float, histogram: tuple[int, ...],
-           coverages: tuple[Coverage, ...], calls: int, tensor: torch.Tensor | None
-           ) -> TensorStats:
+           amax: float, min_nonzero: float, calls: int, tensor: torch.Tensor | None,
+           counts: tuple[SegmentCounts, int] | None) -> TensorStats:
     """TensorStats(...) with its fields set in one step (a frozen dataclass's __init__ sets
     them one by one, which costs more than the rest of a record's bookkeeping)."""
     t = object.__new__(TensorStats)
     object.__setattr__(t, "__dict__", {
         "name": name, "module": module, "kind": kind, "shape": shape, "dtype": dtype,
-        "count": count, "amax": amax, "min_nonzero": min_nonzero, "histogram": histogram,
-        "coverages": coverages, "calls": calls, "tensor": tensor})
+        "count": count, "amax": amax, "min_nonzero": min_nonzero, "calls": calls,
+        "tensor": tensor, "counts": counts})
     return t
 
 

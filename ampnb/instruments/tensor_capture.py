@@ -20,8 +20,11 @@ from ampnb.instruments.summaries import (
     _copy,
     _Seen,
     _stage,
+    _stage_many,
     summarize_many,
 )
+
+_ENGINE = torch.autograd.Variable._execution_engine
 
 
 def _float_tensors(out: object) -> list[tuple[str, torch.Tensor]]:
@@ -66,18 +69,27 @@ class Capture(TableView, Guard):
         self._armed: list[torch.utils.hooks.RemovableHandle] = []  # only while capturing
         self._copies: dict[int, tuple[weakref.ref, int, _Seen]] = {}
         self._targets: list[tuple[str, nn.Module, list[tuple[str, torch.Tensor]]]] = []
+        self._grads: list[tuple[torch.Tensor, str, str]] = []  # accumulated, not staged yet
+        self._grads_task = -1  # the backward whose end stages them
 
     def _wanted(self, path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
-    def _record(self, x: torch.Tensor, name: str, kind: str, module: str) -> None:
+    def _record(self, x: torch.Tensor, name: str, kind: str, module: str,
+                flat: torch.Tensor | None = None) -> None:
         # Only |x| is staged here (weights too: an optimizer step may change them in place);
         # summaries wait for exit (or the first look) and are then computed for all tensors
         # together, in one pass, which costs far less than one call per tensor. This runs for
-        # every tensor every hook sees: it is kept to a few calls.
+        # every tensor every hook sees: it is kept to a few calls. flat: |x| staged already.
         key = (name, kind)
         old = self._pending.get(key) or self._stats.get(key)
         calls = old.calls + 1 if old else 1
+        keep = _copy(x) if self.keep else None
+        if flat is not None:
+            self._pending[key] = _Seen(flat, tuple(x.shape), x.dtype, name, kind, module, calls,
+                                       keep)
+            self._stats.setdefault(key, None)
+            return
         # One private copy per tensor object and version: a container's output is usually
         # its last child's output, and is then staged (and later summarized) once.
         seen = self._copies.get(id(x))
@@ -87,12 +99,18 @@ class Capture(TableView, Guard):
                                        s.tensor)
         else:
             s = self._pending[key] = _Seen(_stage(x), tuple(x.shape), x.dtype, name, kind,
-                                           module, calls, _copy(x) if self.keep else None)
+                                           module, calls, keep)
             self._copies[id(x)] = (weakref.ref(x), x._version, s)
         self._stats.setdefault(key, None)
 
+    def _record_many(self, found: list[tuple[torch.Tensor, str, str]], kind: str) -> None:
+        """_record of many (tensor, name, module) at once, staged together."""
+        for (x, name, module), flat in zip(found, _stage_many([x for x, _, _ in found])):
+            self._record(x, name, kind, module, flat)
+
     def _flush(self) -> None:
         self._copies.clear()
+        self._stage_grads()  # a backward that raised never reached its end
         if self._pending:
             pending, self._pending = self._pending, {}
             for key, s in zip(pending, summarize_many(pending.values(), self.formats)):
@@ -111,9 +129,23 @@ class Capture(TableView, Guard):
 
     def _grad_hook(self, name: str, path: str):
         def hook(p: torch.Tensor) -> None:
-            if p.grad is not None:
-                self._record(p.grad, name, "gradient", path)
+            g = p.grad
+            if g is not None:
+                self._grads.append((g, name, path))
+                task = torch._C._current_graph_task_id()
+                if task == -1:  # called outside a backward: nothing to wait for
+                    self._stage_grads()
+                elif task != self._grads_task:  # the first gradient of this backward
+                    self._grads_task = task
+                    _ENGINE.queue_callback(self._stage_grads)
         return hook
+
+    def _stage_grads(self) -> None:
+        """Stage the gradients accumulated in a backward, all together, once it ends (nothing
+        of the user's runs in between: the hooks after ours, then the engine's callbacks)."""
+        found, self._grads = self._grads, []
+        if found:
+            self._record_many(found, "gradient")
 
     def _on_forward(self, module: nn.Module, args: object) -> None:
         """Root pre-hook: decide whether this forward call is captured, (dis)arm the rest."""
@@ -127,10 +159,9 @@ class Capture(TableView, Guard):
         self._arm()
 
     def _record_weights(self) -> None:
-        for path, _, params in self._targets:
-            for full, p in params:
-                if p.is_floating_point() and p.numel():
-                    self._record(p, full, "weight", path)
+        self._record_many([(p, full, path) for path, _, params in self._targets
+                           for full, p in params if p.is_floating_point() and p.numel()],
+                          "weight")
 
     def _arm(self) -> None:
         if self._armed:
