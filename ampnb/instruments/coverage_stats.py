@@ -148,10 +148,8 @@ def segment_counts(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable
         return _bucketize_counts(flat, lengths, fmts)
     plan = _plan(fmts)
     g, ext = count_segments(flat, lengths, plan, absolute)
-    lo, hi = _levels(plan, g.device)
-    at = {v: i for i, v in enumerate(plan.values[:plan.head])}
-    shared = tuple(at[v] for v in _SHARED)
-    g0, gtiny, ginf = g[list(shared)].tolist()
+    lo, hi, shared = _levels(plan, g.device)
+    g0, gtiny, ginf = g.index_select(0, shared).tolist()
     # The extremes' bits as floats in one conversion (a float32 value is exact as a double);
     # no finite (nonzero) element: nan. (Bits past inf's, or -1, mean "none": unused.)
     m = len(ext)
@@ -161,9 +159,16 @@ def segment_counts(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable
               for i, (b, c) in enumerate(zip(gtiny, ginf))]
     # the edges' counts are only needed as histogram differences
     table = torch.cat([g[:plan.head], g.index_select(0, lo) - g.index_select(0, hi)]).t()
-    return SegmentCounts(tuple((f.name, at[pu], at[pn], at[po])
-                               for f, (pu, pn, po) in zip(fmts, plan.cuts)),
-                         shared, plan.head, tuple(lengths), amax, min_nz, table)
+    return SegmentCounts(*_columns(fmts), plan.head, tuple(lengths), amax, min_nz, table)
+
+
+@functools.lru_cache(maxsize=64)
+def _columns(fmts: tuple[FloatFormat, ...]) -> tuple[tuple, tuple[int, int, int]]:
+    """SegmentCounts' formats and shared columns for the bit-key plan of these formats."""
+    plan = _plan(fmts)
+    at = {v: i for i, v in enumerate(plan.values[:plan.head])}
+    return (tuple((f.name, at[pu], at[pn], at[po]) for f, (pu, pn, po) in zip(fmts, plan.cuts)),
+            tuple(at[v] for v in _SHARED))
 
 
 def _from_counts(name: str, n: int, gu: int, gn: int, go: int, g0: int, gtiny: int,
