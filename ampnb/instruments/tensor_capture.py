@@ -83,12 +83,15 @@ class Capture(TableView, Guard):
         # every tensor every hook sees: it is kept to a few calls. flat: |x| staged already.
         key = (name, kind)
         old = self._pending.get(key) or self._stats.get(key)
-        calls = old.calls + 1 if old else 1
+        if old is None:
+            calls = 1
+            self._stats[key] = None  # (the order records first appear in)
+        else:
+            calls = old.calls + 1
         keep = _copy(x) if self.keep else None
         if flat is not None:
             self._pending[key] = _Seen(flat, tuple(x.shape), x.dtype, name, kind, module, calls,
                                        keep)
-            self._stats.setdefault(key, None)
             return
         # One private copy per tensor object and version: a container's output is usually
         # its last child's output, and is then staged (and later summarized) once.
@@ -101,7 +104,6 @@ class Capture(TableView, Guard):
             s = self._pending[key] = _Seen(_stage(x), tuple(x.shape), x.dtype, name, kind,
                                            module, calls, keep)
             self._copies[id(x)] = (weakref.ref(x), x._version, s)
-        self._stats.setdefault(key, None)
 
     def _record_many(self, found: list[tuple[torch.Tensor, str, str]], kind: str) -> None:
         """_record of many (tensor, name, module) at once, staged together."""
@@ -117,14 +119,18 @@ class Capture(TableView, Guard):
                 self._stats[key] = s
 
     def _forward_hook(self, path: str):
+        # Decided once per module, not per call: this runs for every module of every step.
+        base, record = path or "(output)", self._record
+        acts, grads = "activation" in self.kinds, "activation_gradient" in self.kinds
+
         def hook(module: nn.Module, args: object, out: object) -> None:
             for suffix, t in _float_tensors(out):
-                name = (path or "(output)") + suffix
-                if "activation" in self.kinds:
-                    self._record(t, name, "activation", path)
-                if "activation_gradient" in self.kinds and t.requires_grad:
+                name = base + suffix if suffix else base
+                if acts:
+                    record(t, name, "activation", path)
+                if grads and t.requires_grad:
                     self._handles.append(t.register_hook(
-                        lambda g, name=name: self._record(g, name, "activation_gradient", path)))
+                        lambda g, name=name: record(g, name, "activation_gradient", path)))
         return hook
 
     def _grad_hook(self, name: str, path: str):
