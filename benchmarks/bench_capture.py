@@ -110,7 +110,7 @@ def _one(label, model, batch, loss_fn, optimizer, batches, device: str,
     clock = time.thread_time if cpu else time.perf_counter
     with one_thread(cpu):
         t = interleaved_medians({"plain": step, "capture": captured, "trace": traced,
-                                 "summary": summary}, repeat=11, warmup=2, device=device,
+                                 "summary": summary}, repeat=21, warmup=2, device=device,
                                 clock=clock)
         tl = interleaved_medians({"loop": steps, "loop+capture": steps_captured}, repeat=7,
                                  warmup=1, device=device, clock=clock) if loop else None
