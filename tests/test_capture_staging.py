@@ -282,3 +282,25 @@ def test_weights_of_mixed_dtypes_staged_together_equal_each_alone():
         pass
     for name, p in model.named_parameters():
         _check(cap.get(name, "weight"), p)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradients_under_activation_checkpointing(reentrant):
+    """Reentrant checkpointing runs a backward inside the backward: gradients accumulated in
+    either are staged when their own backward ends, and each is recorded once."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, x = _two_layers()
+
+    def forward(inp):
+        return model[2](checkpoint(lambda t: model[1](model[0](t)), inp,
+                                   use_reentrant=reentrant))
+
+    with ampnb.capture(model, kinds=["gradient"], formats=FORMATS) as cap:
+        forward(x.requires_grad_()).pow(2).sum().backward()
+        seen = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=False)
+    for name, g in seen.items():
+        s = cap.get(name, "gradient")
+        assert s.calls == 1
+        _check(s, g)
