@@ -76,30 +76,34 @@ class _Seen(NamedTuple):
 _KEPT = (torch.float32, torch.float64)  # counted in their own dtype; the rest in float32
 
 
+def _hidden(fn, *args):
+    """fn(*args), hidden from a tracer or hunter when one is watching (the private copies of
+    capture are not the user's ops); no context to enter when none is, as in most steps."""
+    if not torch._C._len_torch_dispatch_stack():
+        return fn(*args)
+    with internal():
+        return fn(*args)
+
+
 def _stage(x: torch.Tensor) -> torch.Tensor:
     """|x| as a private flat copy: abs clears the sign bit, NaN's too, so the counting
     starts from these bits as they are. One pass, like the copy it replaces."""
-    if not torch._C._len_torch_dispatch_stack():
-        return _abs_copy(x)
-    with internal():  # hide the copy from a tracer or hunter
-        return _abs_copy(x)
+    return _hidden(_abs_copy, x)
 
 
 def _stage_many(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """_stage of many tensors at once: |x| of each as a flat view of one private buffer per
     device and counting dtype, filled by one cat and one abs (a copy each costs a few
     dispatcher calls, which add up over every parameter of a model)."""
-    if not torch._C._len_torch_dispatch_stack():
-        return _abs_views(xs)
-    with internal():
-        return _abs_views(xs)
+    return _hidden(_abs_views, xs)
 
 
 def _abs_views(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """|x| of each tensor as flat views of one buffer per (device, counting dtype)."""
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(xs):
-        groups.setdefault((x.device, torch.float64 if x.dtype == torch.float64 else
-                           torch.float32), []).append(i)
+        groups.setdefault((x.device, x.dtype if x.dtype in _KEPT else torch.float32),
+                          []).append(i)
     out: list[torch.Tensor] = [None] * len(xs)  # type: ignore[list-item]
     with torch.no_grad():  # (cheaper than a detach per tensor)
         for (device, dtype), idx in groups.items():
@@ -107,8 +111,7 @@ def _abs_views(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             lengths = [t.numel() for t in parts]
             flat = torch.empty(sum(lengths), dtype=dtype, device=device)
             torch.cat(parts, out=flat).abs_()  # cat widens narrower formats exactly
-            out_views = flat.split(lengths)
-            for i, v in zip(idx, out_views):
+            for i, v in zip(idx, flat.split(lengths)):
                 out[i] = v
     return out
 
@@ -217,7 +220,8 @@ def _check_float(x: object) -> None:
 
 
 def _copy(x: torch.Tensor) -> torch.Tensor:
-    if not torch._C._len_torch_dispatch_stack():  # no tracer or hunter to hide the copy from
-        return x.detach().clone()
-    with internal():
-        return x.detach().clone()
+    return _hidden(_exact_copy, x)
+
+
+def _exact_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone()

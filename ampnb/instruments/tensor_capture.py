@@ -147,8 +147,9 @@ class Capture(TableView, Guard):
         return hook
 
     def _stage_grads(self) -> None:
-        """Stage the gradients accumulated in a backward, all together, once it ends (nothing
-        of the user's runs in between: the hooks after ours, then the engine's callbacks)."""
+        """Stage the gradients accumulated in a backward, all together, when it ends: after
+        the other hooks of that backward, before any code after backward() can change them
+        (clipping, zero_grad, an optimizer step)."""
         found, self._grads = self._grads, []
         if found:
             self._record_many(found, "gradient")
