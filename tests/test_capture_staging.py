@@ -304,3 +304,22 @@ def test_gradients_under_activation_checkpointing(reentrant):
         s = cap.get(name, "gradient")
         assert s.calls == 1
         _check(s, g)
+
+
+def test_coverage_objects_are_built_at_the_first_look_and_once(monkeypatch):
+    """Reading the records counts every tensor but builds no Coverage; a record's first look
+    builds its own (equal to the tensor counted alone), and later looks reuse them."""
+    tensors = _awkward()[:6]
+    model = _Many(tensors)
+    with ampnb.capture(model, kinds=["activation"], formats=FORMATS) as cap:
+        model(torch.zeros(1))
+    built = []
+    real = cs._coverage
+    monkeypatch.setattr(cs, "_coverage", lambda *a: built.append(a[0]) or real(*a))
+    records = cap.records
+    assert len(records) >= len(tensors) and built == []
+    s = cap.get("parts.2", "activation")
+    first = s.coverages
+    assert len(built) == len(FORMATS) and s.coverages is first
+    _check(s, tensors[2])
+    assert len(built) == len(FORMATS)
