@@ -321,5 +321,5 @@ def test_coverage_objects_are_built_at_the_first_look_and_once(monkeypatch):
     s = cap.get("parts.2", "activation")
     first = s.coverages
     assert len(built) == len(FORMATS) and s.coverages is first
+    assert s.coverage("bf16") is first[1] and len(built) == len(FORMATS)
     _check(s, tensors[2])
-    assert len(built) == len(FORMATS)
