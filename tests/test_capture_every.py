@@ -108,3 +108,21 @@ def test_activation_gradients_come_from_the_captured_calls_only():
     assert s.calls == 2
     assert s.coverage("fp16") == ampnb.coverage(grads[2], "fp16")
     assert s.amax == grads[2].abs().max().item() != grads[3].abs().max().item()
+
+
+def test_a_container_output_kept_is_copied_once(monkeypatch):
+    """keep=True: the container's record shares its last child's exact copy; no second copy."""
+    from ampnb.instruments import tensor_capture
+
+    model, xs, _ = _setup()
+    copies = []
+    real = tensor_capture._copy
+    monkeypatch.setattr(tensor_capture, "_copy", lambda x: copies.append(x) or real(x))
+    with ampnb.capture(model, kinds=["activation"], keep=True) as cap:
+        out = model(xs[0])
+    body, last = cap.get("body", "activation"), cap.get(f"body.{len(model.body) - 1}",
+                                                         "activation")
+    assert body.tensor is last.tensor and cap.get("(output)", "activation").tensor is \
+        cap.get("head", "activation").tensor
+    assert len(copies) == len(cap.records) - 2  # body = its last child, output = head
+    assert torch.equal(cap.get("(output)", "activation").tensor, out)

@@ -88,10 +88,9 @@ class Capture(TableView, Guard):
             self._stats[key] = None  # (the order records first appear in)
         else:
             calls = old.calls + 1
-        keep = _copy(x) if self.keep else None
         if flat is not None:
             self._pending[key] = _Seen(flat, tuple(x.shape), x.dtype, name, kind, module, calls,
-                                       keep)
+                                       _copy(x) if self.keep else None)
             return
         # One private copy per tensor object and version: a container's output is usually
         # its last child's output, and is then staged (and later summarized) once.
@@ -102,7 +101,7 @@ class Capture(TableView, Guard):
                                        s.tensor)
         else:
             s = self._pending[key] = _Seen(_stage(x), tuple(x.shape), x.dtype, name, kind,
-                                           module, calls, keep)
+                                           module, calls, _copy(x) if self.keep else None)
             self._copies[id(x)] = (weakref.ref(x), x._version, s)
 
     def _record_many(self, found: list[tuple[torch.Tensor, str, str]], kind: str) -> None:
