@@ -66,9 +66,9 @@ def test_a_container_output_is_copied_and_summarized_once(monkeypatch):
     sizes = []
     real = summaries.segment_counts
 
-    def spy(flat, lengths, fmts, **kw):
-        sizes.extend(lengths)
-        return real(flat, lengths, fmts, **kw)
+    def spy(parts, fmts, **kw):
+        sizes.extend(p.numel() for p in parts)
+        return real(parts, fmts, **kw)
 
     monkeypatch.setattr(summaries, "segment_counts", spy)
     with ampnb.capture(model, kinds=["activation"]) as cap:

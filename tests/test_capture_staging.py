@@ -142,6 +142,39 @@ def test_many_small_segments_of_few_lengths_against_the_general_path():
             assert _same_float(cf[f].min_nonzero, cg[f].min_nonzero)
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_short_segments_joined_on_rows_keep_their_own_extremes(monkeypatch, cached):
+    """Short segments are joined with zeros up to a whole row each, and reduced row by row: a
+    row's result must land in its own segment, whatever sits in the next one. Lengths on
+    either side of a row; inf, NaN and the largest value at a segment's first or last
+    element; a segment of zeros after one of huge values."""
+    from ampnb.instruments import _bitkeys
+    if not cached:  # layouts too long to cache are made for each call
+        monkeypatch.setattr(_bitkeys, "_CACHED", 0)
+    row = _bitkeys._ROW
+    g = torch.Generator().manual_seed(9)
+    lengths = [1, row - 1, row, row + 1, 2 * row + 3, 5, row, 3 * row - 1]
+    parts = [torch.randn(n, generator=g) * 10.0 ** (i % 5 - 2) for i, n in enumerate(lengths)]
+    parts[1][-1] = 2.0**100    # its max in the last element before the padding
+    parts[2][0] = INF          # inf first: the finite max comes from the rest
+    parts[3][-1] = NAN         # NaN last, in a row of its own
+    parts[4][:] = 0.0          # zeros only, after a segment ending in NaN
+    parts[5][0] = 2.0**-149    # float32's tiniest value, first
+    parts[7][-1] = -(2.0**-140)
+    flat = torch.cat(parts).abs()
+    fmts = [get_format(f) for f in FORMATS]
+    fast = cs.segment_stats(flat, lengths, fmts, absolute=True)
+    general = cs._expand(cs._bucketize_counts(flat, lengths, fmts))
+    assert [h for _, h in fast] == [h for _, h in general]
+    for (cf, _), (cg, _), part in zip(fast, general, parts):
+        for f in cf:
+            assert _counts(cf[f]) == _counts(cg[f])
+            assert _same_float(cf[f].amax, cg[f].amax)
+            assert _same_float(cf[f].min_nonzero, cg[f].min_nonzero)
+        finite = part.abs()[torch.isfinite(part)]
+        assert _same_float(cf["fp16"].amax, finite.max().item() if finite.numel() else NAN)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
 def test_what_was_seen_is_a_copy_in_every_dtype(dtype):
     """An in-place change after the hook (ReLU(inplace=True)) does not reach the record."""

@@ -19,6 +19,7 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -95,21 +96,22 @@ def _classes(plan: _Plan, device: torch.device, scale: int = 1) -> torch.Tensor:
     return ((torch.bucketize(keys, t, right=True, out_int32=True) - 1) * scale).to(device)
 
 
-_SCRATCH: dict[str, torch.Tensor] = {}
+_SCRATCH: list[torch.Tensor] = []
 _SCRATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _buffers(n: int, device: torch.device) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Three int32 work buffers of n elements. On CPU, up to _CHUNK elements, they are kept
-    between calls: touching fresh memory costs more here than the passes themselves."""
+def _buffers(n: int, device: torch.device) -> Iterator[torch.Tensor]:
+    """Three int32 work buffers of n elements, as the rows of one (3, n) tensor (two rows side
+    by side reduce in one call). On CPU, up to _CHUNK elements, the memory is kept between
+    calls: touching fresh memory costs more here than the passes themselves."""
     if device.type != "cpu" or n > _CHUNK or not _SCRATCH_LOCK.acquire(blocking=False):
-        yield tuple(torch.empty(n, dtype=torch.int32, device=device) for _ in range(3))
+        yield torch.empty(3, n, dtype=torch.int32, device=device)
         return
     try:
-        if _SCRATCH.get("b") is None or _SCRATCH["b"].numel() < n:
-            _SCRATCH.update({k: torch.empty(n, dtype=torch.int32) for k in "bkt"})
-        yield tuple(_SCRATCH[k][:n] for k in "bkt")
+        if not _SCRATCH or _SCRATCH[0].numel() < 3 * n:
+            _SCRATCH[:] = [torch.empty(3 * n, dtype=torch.int32)]
+        yield _SCRATCH[0][:3 * n].view(3, n)
     finally:
         _SCRATCH_LOCK.release()
 
@@ -206,95 +208,119 @@ def _bincount(k: torch.Tensor) -> torch.Tensor:
     return torch.bincount(k[:half], minlength=_KEYS).add_(other.result())
 
 
-def _many_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
-                   absolute: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """The same for each short segment of a flat tensor (a column each): keys mapped to
-    classes, counted by (class, segment) in one bincount."""
-    nseg, nc, dev = len(lengths), len(plan.thresholds), x.device
-    with _buffers(x.numel(), dev) as (b, k, t):
-        if absolute and x.is_contiguous():  # (the extremes view it as a matrix)
-            b = x.view(torch.int32)
-        else:
-            torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=b)
-        ext = _extremes(b, k, lengths)
+def _many_segments(parts: Sequence[torch.Tensor], plan: _Plan, absolute: bool = False
+                   ) -> tuple[torch.Tensor, list[int]]:
+    """The same for each of some short flat tensors (a column each), joined in one buffer:
+    keys mapped to classes, counted by (class, segment) in one bincount."""
+    nseg, nc, dev = len(parts), len(plan.thresholds), parts[0].device
+    lay = _layout(tuple(p.numel() for p in parts), dev, parts[0].dtype)
+    with _buffers(lay.size, dev) as bufs:
+        b, k, t = bufs
+        # Each segment starts on a row of _ROW elements, zeros after it up to the next row.
+        torch.cat([x for pair in zip(parts, lay.pads) for x in pair], out=b.view(parts[0].dtype))
+        if not absolute:
+            b.bitwise_and_(0x7FFFFFFF)
+        ext = _extremes(bufs[:2], lay)
         _keys(b, k, t, _split_table(plan, dev))
-        # t = nseg * class + segment, for one bincount over (class, segment): class-major, so
-        # that picking values' rows later copies rows. A training loop sees the same
-        # segments at every step: their indices are cached (up to a few MB).
-        torch.index_select(_classes(plan, dev, nseg), 0, k, out=t)
-        lens = tuple(lengths)
-        t.add_(_segments(lens, dev) if x.numel() <= _CACHED else _segments.__wrapped__(lens, dev))
-        cls = torch.bincount(t, minlength=nseg * nc).view(nc, nseg)
+        # t = (nseg + 1) * class + segment, for one bincount over (class, segment); padding
+        # is segment nseg, dropped. Class-major, so that picking values' rows later copies rows.
+        torch.index_select(_classes(plan, dev, nseg + 1), 0, k, out=t)
+        t.add_(lay.segment)
+        cls = torch.bincount(t, minlength=(nseg + 1) * nc).view(nc, nseg + 1)[:, :nseg]
     return cls.flip(0).cumsum(0).flip(0), ext
 
 
-def _extremes(b: torch.Tensor, scratch: torch.Tensor, lengths: Sequence[int]) -> list[int]:
-    """Per segment the bits of (amax, min |x|>0) of |x|'s bits b. Back-to-back segments of one
-    length are reduced together, as the rows of one matrix (callers order segments by
-    length): a call per length, not per segment. Only a segment holding inf or NaN takes
-    one more pass."""
+_ROW = 64  # elements: short segments are joined on rows of this many, so rows reduce together
+
+
+class _Layout(NamedTuple):
+    """Where each of some short segments lies once joined on rows (cached per lengths: a
+    training loop sees the same segments at every step)."""
+
+    size: int                         # elements, padding included
+    lengths: tuple[int, ...]
+    starts: tuple[int, ...]
+    pads: tuple[torch.Tensor, ...]    # zeros that fill each segment's last row
+    segment: torch.Tensor             # int32, per element: its segment (padding: nseg)
+    rows: torch.Tensor                # int64 (2, size // _ROW): each row's segment, twice
+
+
+_CACHED = 1 << 20  # elements: layouts of runs up to this long are cached
+
+
+def _layout(lengths: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> _Layout:
+    return (_cached_layout if sum(lengths) <= _CACHED else _make_layout)(lengths, device, dtype)
+
+
+def _make_layout(lengths: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> _Layout:
+    """The _Layout of segments of these lengths (making it costs more than using it)."""
+    rows = [-(-n // _ROW) for n in lengths]
+    pads = [r * _ROW - n for n, r in zip(lengths, rows)]
+    nseg, zeros = len(lengths), torch.zeros(_ROW, dtype=dtype, device=device)
+    ids = torch.arange(nseg, dtype=torch.int32, device=device)
+    spans = torch.tensor([c for n, p in zip(lengths, pads) for c in (n, p)], device=device)
+    segment = torch.repeat_interleave(
+        torch.stack([ids, torch.full_like(ids, nseg)], 1).ravel(), spans,
+        output_size=sum(lengths) + sum(pads))
+    row_of = torch.repeat_interleave(ids.long(), torch.tensor(rows, device=device),
+                                     output_size=sum(rows))
+    return _Layout(_ROW * sum(rows), lengths, tuple(_ROW * r for r in itertools.accumulate([0, *rows[:-1]])),
+                   tuple(zeros[:p] for p in pads), segment, row_of.expand(2, -1))
+
+
+_cached_layout = functools.lru_cache(maxsize=4)(_make_layout)
+
+
+def _extremes(bs: torch.Tensor, lay: _Layout) -> list[int]:
+    """Per segment the bits of (amax, min |x|>0), from bs = (bits of |x| joined on rows,
+    scratch): a reduction per row for both, then the rows' results by segment. Only a
+    segment holding inf or NaN takes one more pass."""
+    b, s = bs
     # (b - 1) ^ 0x7FFFFFFF = 2**31 - b for b > 0 (larger for smaller |x|), int32's min for 0
-    torch.sub(b, 1, out=scratch).bitwise_xor_(0x7FFFFFFF)
-    his, los, at, pos = [], [], [], 0
-    for n, same in itertools.groupby(lengths):
-        m = len(list(same))
-        his.append(b[pos:pos + m * n].view(m, n).amax(1))
-        los.append(scratch[pos:pos + m * n].view(m, n).amax(1))
-        at.extend(range(pos, pos + m * n, n))
-        pos += m * n
-    found = torch.cat(his + los).tolist()
-    k = len(lengths)
+    torch.sub(b, 1, out=s).bitwise_xor_(0x7FFFFFFF)
+    per_row = bs.view(2, -1, _ROW).amax(2)
+    # (from 0: every b >= 0, and an all-zero segment's min is then past any value: none)
+    his, los = per_row.new_zeros(2, len(lay.starts)).scatter_reduce_(
+        1, lay.rows, per_row, "amax").tolist()
     ext = []
-    for i in range(k):
-        hi = found[i]
+    for i, (hi, lo) in enumerate(zip(his, los)):
         if hi >= _INF_BITS:
-            hi = _finite_max(b[at[i]:at[i] + lengths[i]])
-        ext += [hi, (1 << 31) - found[k + i]]
+            start = lay.starts[i]
+            hi = _finite_max(b[start:start + lay.lengths[i]])
+        ext += [hi, (1 << 31) - lo]
     return ext
-
-
-_CACHED = 1 << 20  # elements: segment indices of runs up to this long are cached
-
-
-@functools.lru_cache(maxsize=4)
-def _segments(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The segment of each element, int32 (making them costs more than adding them)."""
-    return torch.repeat_interleave(
-        torch.arange(len(lengths), dtype=torch.int32, device=device),
-        torch.tensor(lengths, device=device), output_size=sum(lengths))
 
 
 _ALONE = 1 << 16  # a segment this long is counted on its own (its bincount is no overhead)
 
 
-def count_segments(x: torch.Tensor, lengths: Sequence[int], plan: _Plan,
-                   absolute: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """g[j, s] = how many |x| >= plan.values[j] in each segment s of a flat float32 tensor,
-    and per segment the bits of (amax, min |x|>0). A long segment is counted alone; runs of short
-    ones together, up to _CHUNK elements a pass (slices of x: nothing is copied)."""
-    runs: list[tuple[int, int]] = []  # [first, last) segment indices
+def count_segments(parts: Sequence[torch.Tensor], plan: _Plan, absolute: bool = False
+                   ) -> tuple[torch.Tensor, list[int]]:
+    """g[j, s] = how many |x| >= plan.values[j] in each flat float32 tensor s of parts, and per
+    tensor the bits of (amax, min |x|>0). A long one is counted alone; runs of short ones
+    together, up to _CHUNK elements a pass."""
+    runs: list[list] = []  # [first, last) indices into parts, and whether counted alone
     size = 0
-    for i, n in enumerate(lengths):
-        alone = n >= _ALONE or len(lengths) == 1
-        if alone or not runs or runs[-1][1] != i or size + n > _CHUNK or runs[-1][2]:
+    for i, p in enumerate(parts):
+        n = p.numel()
+        alone = n >= _ALONE or len(parts) == 1
+        if alone or not runs or runs[-1][2] or size + n + _ROW > _CHUNK:
             runs.append([i, i + 1, alone])
             size = 0
         else:
             runs[-1][1] = i + 1
-        size += n
-    starts = list(itertools.accumulate([0, *lengths]))
+        size += n + _ROW  # (at most: its padding is less than a row)
     rows, ext = [], []
     for first, last, alone in runs:
-        part, lens = x[starts[first]:starts[last]], lengths[first:last]
-        ge, e = _one_segment(part, plan, absolute) if alone else \
-            _many_segments(part, lens, plan, absolute)
-        rows.append(_value_counts(part, lens, plan, ge))
+        run = parts[first:last]
+        ge, e = _one_segment(run[0], plan, absolute) if alone else \
+            _many_segments(run, plan, absolute)
+        rows.append(_value_counts(run, plan, ge))
         ext.extend(e)
     return (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]), ext
 
 
-def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torch.Tensor
-                  ) -> torch.Tensor:
+def _value_counts(parts: Sequence[torch.Tensor], plan: _Plan, ge: torch.Tensor) -> torch.Tensor:
     """How many |x| >= v for every value of the plan, per segment: key counts, plus one masked
     pass over a straggler's cell in the segments that have elements there."""
     g = ge.index_select(0, _cols(plan, ge.device))
@@ -304,13 +330,12 @@ def _value_counts(x: torch.Tensor, lengths: Sequence[int], plan: _Plan, ge: torc
     held = (ge.index_select(0, first) - ge.index_select(0, above)).t().tolist()
     if not any(map(any, held)):  # the usual case: no element in any straggler's cell
         return g
-    starts = list(itertools.accumulate([0, *lengths]))
     for j, (cell, idx) in enumerate(plan.stragglers):
         idx = sorted(idx, key=lambda i: plan.values[i])
         bounds = torch.tensor([_bits(plan.values[i]) for i in idx], dtype=torch.int32,
-                              device=x.device)
-        for s in (s for s in range(len(lengths)) if held[s][j]):
-            b = x[starts[s]:starts[s + 1]].view(torch.int32) & 0x7FFFFFFF
+                              device=ge.device)
+        for s in (s for s in range(len(parts)) if held[s][j]):
+            b = parts[s].view(torch.int32) & 0x7FFFFFFF
             inside = b[(b >> _LOW) == cell]
             below = torch.bucketize(inside, bounds, right=True)  # how many bounds are <= b
             per = torch.bincount(below, minlength=len(idx) + 1)

@@ -127,27 +127,28 @@ class SegmentCounts:
 def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike],
                   absolute: bool = False) -> list[tuple[dict[str, Coverage], list[int]]]:
     """Coverage in every format and the exponent histogram of each segment of a flat tensor."""
-    return _expand(segment_counts(flat, lengths, formats, absolute))
+    return _expand(segment_counts(flat.split(list(lengths)), formats, absolute))
 
 
 def _expand(c: SegmentCounts) -> list[tuple[dict[str, Coverage], list[int]]]:
     return [(c.coverages(i), list(c.histogram(i))) for i in range(len(c.lengths))]
 
 
-def segment_counts(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike],
+def segment_counts(parts: Sequence[torch.Tensor], formats: Iterable[FormatLike],
                    absolute: bool = False) -> SegmentCounts:
-    """Counts of each segment of a flat tensor, for its coverage and exponent histogram.
+    """Counts of each of some flat tensors of one dtype, for its coverage and exponent histogram.
 
     Every count is "how many |x| >= b". For float32 they come from the bit pattern: a 16-bit
-    key per element, one bincount, on the tensor's own device (see _bitkeys); only small
-    count tables come back to the host. float64 takes a bucketize. absolute: flat holds |x|
-    already (sign bits clear, as capture stages it), which saves a pass.
+    key per element, one bincount, on the tensors' own device (see _bitkeys); only small
+    count tables come back to the host. float64 takes a bucketize. absolute: the parts hold
+    |x| already (sign bits clear, as capture stages them), which saves a pass.
     """
     fmts = tuple(get_format(f) for f in formats)
-    if flat.dtype != torch.float32 or not all(lengths):
-        return _bucketize_counts(flat, lengths, fmts)
+    lengths = [p.numel() for p in parts]
+    if parts[0].dtype != torch.float32 or not all(lengths):
+        return _bucketize_counts(torch.cat(parts) if len(parts) > 1 else parts[0], lengths, fmts)
     plan = _plan(fmts)
-    g, ext = count_segments(flat, lengths, plan, absolute)
+    g, ext = count_segments(parts, plan, absolute)
     lo, hi, shared = _levels(plan, g.device)
     g0, gtiny, ginf = g.index_select(0, shared).tolist()
     # The extremes' bits as floats in one conversion (a float32 value is exact as a double);

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -13,7 +12,6 @@ import torch
 
 from ampnb.display import dtype_name
 from ampnb.formats import get_format
-from ampnb.instruments import _bitkeys
 from ampnb.instruments.coverage_stats import Coverage, SegmentCounts, segment_counts
 from ampnb.instruments.trace import internal
 
@@ -122,37 +120,24 @@ def _abs_copy(x: torch.Tensor) -> torch.Tensor:
     return x.abs() if x.dtype in _KEPT else x.float().abs_()
 
 
-_SCRATCH: list[torch.Tensor] = []  # one float32 buffer the short tensors are joined in
-_SCRATCH_LOCK = threading.Lock()
-
-
 def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMATS
                    ) -> list[TensorStats]:
-    """Summaries of many staged tensors: the short ones of a device and dtype joined and
-    counted in one segmented pass, each long one where it lies."""
+    """Summaries of many staged tensors: those of one device and dtype counted together (the
+    short ones joined in one segmented pass, each long one where it lies)."""
     fmts = tuple(get_format(f) for f in formats)
     seen = list(seen)
-    groups: dict[tuple, dict[int, tuple[int, torch.Tensor]]] = {}  # (n, copy) per distinct copy
+    groups: dict[tuple, dict[int, torch.Tensor]] = {}  # per distinct copy
     for s in seen:
         f = s.flat
-        n = f.numel()
-        if n:  # an empty output is a fact to show, not an error in a hook
-            groups.setdefault((f.device, f.dtype), {})[id(f)] = (n, f)
+        if f.numel():  # an empty output is a fact to show, not an error in a hook
+            groups.setdefault((f.device, f.dtype), {})[id(f)] = f
     found: dict[int, tuple[SegmentCounts, int]] = {}  # id of a copy: (count table, its row)
-    alone = _bitkeys._ALONE
     with internal():  # on private copies: no autograd to switch off
         for flats in groups.values():
-            short = []
-            for i, (n, f) in flats.items():
-                if n >= alone:
-                    found[i] = (segment_counts(f, [n], fmts, absolute=True), 0)
-                else:
-                    short.append((n, i, f))
-            if short:
-                # ordered by length: the per-segment extremes then take a call per length
-                short.sort(key=lambda item: item[0])
-                c = _joined_counts([f for _, _, f in short], [n for n, _, _ in short], fmts)
-                found.update((i, (c, row)) for row, (_, i, _) in enumerate(short))
+            # shortest first: the short ones then make one run, joined and counted together
+            order = sorted(flats, key=lambda i: flats[i].numel())
+            c = segment_counts([flats[i] for i in order], fmts, absolute=True)
+            found.update((i, (c, row)) for row, i in enumerate(order))
     out = []
     for s in seen:
         at = found.get(id(s.flat))
@@ -162,23 +147,6 @@ def summarize_many(seen: Iterable[_Seen], formats: Iterable[str] = DEFAULT_FORMA
             c.amax[at[1]] if c else math.nan, c.min_nonzero[at[1]] if c else math.nan,
             s.calls, s.tensor, at))
     return out
-
-
-def _joined_counts(flats: list[torch.Tensor], lengths: list[int], fmts: tuple) -> SegmentCounts:
-    """segment_counts of short flat tensors joined by one cat (into a kept buffer on CPU:
-    fresh memory costs more than the copy)."""
-    n = sum(lengths)
-    if flats[0].is_cpu and flats[0].dtype == torch.float32 and n <= _bitkeys._CHUNK and \
-            _SCRATCH_LOCK.acquire(blocking=False):
-        try:
-            if not _SCRATCH or _SCRATCH[0].numel() < n:
-                _SCRATCH[:] = [torch.empty(max(n, 1 << 16))]
-            flat = torch.cat(flats, out=_SCRATCH[0][:n]) if len(flats) > 1 else flats[0]
-            return segment_counts(flat, lengths, fmts, absolute=True)
-        finally:
-            _SCRATCH_LOCK.release()
-    flat = torch.cat(flats) if len(flats) > 1 else flats[0]
-    return segment_counts(flat, lengths, fmts, absolute=True)
 
 
 def _stats(name: str, module: str, kind: str, shape: tuple[int, ...], dtype: str, count: int,
