@@ -42,7 +42,8 @@ class _Plan:
 
     values: tuple[float, ...]            # how many |x| >= v is wanted for each of these
     head: int                            # values[:head]: the shared ones and the formats' cuts
-    thresholds: tuple[int, ...]          # sorted keys; class i holds keys in [t[i], t[i+1])
+    thresholds: tuple[int, ...]          # sorted keys; class i holds keys in [t[i], t[i+1]);
+    #                                      the last is past every key: its count is always 0
     cols: tuple[int, ...]                # per value: its threshold (stragglers: next cell's)
     splits: tuple[tuple[int, int], ...]  # (cell, low bits) where the split is not 1
     stragglers: tuple[tuple[int, tuple[int, ...]], ...]  # (cell, indices into values)
@@ -71,7 +72,7 @@ def _plan(fmts: tuple[FloatFormat, ...]) -> _Plan:
         else:
             keys.append(2 * cell + 2)  # the count above its cell; the masked pass adds the rest
             strays.setdefault(cell, []).append(i)
-    t = sorted({*keys, *(k for c in strays for k in (2 * c, 2 * c + 1, 2 * c + 2))})
+    t = sorted({*keys, *(k for c in strays for k in (2 * c, 2 * c + 1, 2 * c + 2)), _KEYS})
     index = {k: i for i, k in enumerate(t)}
     return _Plan(values, len(head), tuple(t), tuple(index[k] for k in keys),
                  tuple((c, s) for c, s in split.items() if s != 1),
@@ -90,10 +91,19 @@ def _split_table(plan: _Plan, device: torch.device) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _classes(plan: _Plan, device: torch.device, scale: int = 1) -> torch.Tensor:
-    """Class of every key (times scale), for per-segment counting."""
+    """Class of every key, numbered from the top threshold down (times scale), for
+    per-segment counting: one cumsum over classes then gives how many keys >= each threshold,
+    in the order of _row."""
     keys = torch.arange(_KEYS, dtype=torch.int32)
     t = torch.tensor(plan.thresholds, dtype=torch.int32)
-    return ((torch.bucketize(keys, t, right=True, out_int32=True) - 1) * scale).to(device)
+    below = torch.bucketize(keys, t, right=True, out_int32=True) - 1
+    return ((len(plan.thresholds) - 1 - below) * scale).to(device)
+
+
+def _row(plan: _Plan, col: int) -> int:
+    """Row of threshold col in a table of counts "how many keys >= threshold": every such
+    table runs from the top threshold down (row 0: the one past every key, always 0)."""
+    return len(plan.thresholds) - 1 - col
 
 
 _SCRATCH: list[torch.Tensor] = []
@@ -144,8 +154,8 @@ def _nonzero_min(b: torch.Tensor, out: torch.Tensor | None = None) -> int:
 
 def _one_segment(x: torch.Tensor, plan: _Plan, absolute: bool = False
                  ) -> tuple[torch.Tensor, list[int]]:
-    """Counts of key >= each threshold (a column), and the (amax, min |x|>0) bits, of one
-    flat tensor."""
+    """Counts of key >= each threshold (a column, in _row order), and the (amax, min |x|>0)
+    bits, of one flat tensor."""
     n = x.numel()
     # With one thread a smaller chunk is ~1.4x faster here (its passes run from cache); with
     # more, each pass is shared out, and smaller chunks cost more in threads waiting.
@@ -154,15 +164,14 @@ def _one_segment(x: torch.Tensor, plan: _Plan, absolute: bool = False
         table, hi, lo = _count_chunks(x, bufs, _split_table(plan, x.device), absolute)
     # how many keys >= t = n - how many keys < t = n - cumsum[t - 1] (none below key 0)
     below = table.cumsum(0).index_select(0, _below_index(plan, x.device))
-    if plan.thresholds[0] == 0:
-        below[0] = 0
+    below[-1] = 0  # threshold 0 (the last row), which every key is at or above
     return (n - below)[:, None], [hi, lo]
 
 
 @functools.lru_cache(maxsize=16)
 def _below_index(plan: _Plan, device: torch.device) -> torch.Tensor:
-    """Per threshold t, the index of the cumulative key count just below it (t - 1)."""
-    return torch.tensor([max(t - 1, 0) for t in plan.thresholds], device=device)
+    """Per threshold t, in _row order, the index of the cumulative key count just below it."""
+    return torch.tensor([max(t - 1, 0) for t in reversed(plan.thresholds)], device=device)
 
 
 def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor,
@@ -223,11 +232,11 @@ def _many_segments(parts: Sequence[torch.Tensor], plan: _Plan, absolute: bool = 
         ext = _extremes(bufs[:2], lay)
         _keys(b, k, t, _split_table(plan, dev))
         # t = (nseg + 1) * class + segment, for one bincount over (class, segment); padding
-        # is segment nseg, dropped. Class-major, so that picking values' rows later copies rows.
+        # is segment nseg, dropped. Class-major, so that picking rows later copies rows.
         torch.index_select(_classes(plan, dev, nseg + 1), 0, k, out=t)
         t.add_(lay.segment)
         cls = torch.bincount(t, minlength=(nseg + 1) * nc).view(nc, nseg + 1)[:, :nseg]
-    return cls.flip(0).cumsum(0).flip(0), ext
+    return cls.cumsum(0), ext
 
 
 _ROW = 64  # elements: short segments are joined on rows of this many, so rows reduce together
@@ -294,11 +303,19 @@ def _extremes(bs: torch.Tensor, lay: _Layout) -> list[int]:
 _ALONE = 1 << 16  # a segment this long is counted on its own (its bincount is no overhead)
 
 
-def count_segments(parts: Sequence[torch.Tensor], plan: _Plan, absolute: bool = False
-                   ) -> tuple[torch.Tensor, list[int]]:
-    """g[j, s] = how many |x| >= plan.values[j] in each flat float32 tensor s of parts, and per
-    tensor the bits of (amax, min |x|>0). A long one is counted alone; runs of short ones
-    together, up to _CHUNK elements a pass."""
+class Counts(NamedTuple):
+    """What count_segments finds, per segment."""
+
+    table: torch.Tensor          # (segments, head + bins): how many |x| >= each of the plan's
+    #                              first head values, then the histogram's counts per bin
+    shared: list[list[int]]      # how many |x| >= 0, float32's tiniest value, inf: a
+    #                              list each, over the segments
+    extremes: list[int]          # bits of amax, min |x|>0, amax, ... (past inf's: none)
+
+
+def count_segments(parts: Sequence[torch.Tensor], plan: _Plan, absolute: bool = False) -> Counts:
+    """The counts of each flat float32 tensor of parts. A long one is counted alone; runs of
+    short ones together, up to _CHUNK elements a pass."""
     runs: list[list] = []  # [first, last) indices into parts, and whether counted alone
     size = 0
     for i, p in enumerate(parts):
@@ -310,31 +327,35 @@ def count_segments(parts: Sequence[torch.Tensor], plan: _Plan, absolute: bool = 
         else:
             runs[-1][1] = i + 1
         size += n + _ROW  # (at most: its padding is less than a row)
-    rows, ext = [], []
+    ges, ext = [], []
     for first, last, alone in runs:
-        run = parts[first:last]
-        ge, e = _one_segment(run[0], plan, absolute) if alone else \
-            _many_segments(run, plan, absolute)
-        rows.append(_value_counts(run, plan, ge))
+        ge, e = _one_segment(parts[first], plan, absolute) if alone else \
+            _many_segments(parts[first:last], plan, absolute)
+        ges.append(ge)
         ext.extend(e)
-    return (torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]), ext
+    ge = torch.cat(ges, dim=1) if len(ges) > 1 else ges[0]  # threshold rows, segment columns
+    ix = _indices(plan, ge.device)
+    # One small transfer: the shared counts, and whether a straggler's cell holds anything.
+    small = ge.index_select(0, ix.small).tolist()
+    shared, k = small[:3], len(plan.stragglers)
+    held = [[a - b for a, b in zip(*pair)] for pair in zip(small[3:3 + k], small[3 + k:])]
+    if any(map(any, held)):  # elements in a straggler's cell: count them exactly
+        g = _value_counts(parts, plan, ge.index_select(0, ix.cols), held)
+        table = g.index_select(0, ix.value_plus) - g.index_select(0, ix.value_minus)
+    else:  # the usual case: every value's count is a threshold's
+        table = ge.index_select(0, ix.plus) - ge.index_select(0, ix.minus)
+    return Counts(table.t(), shared, ext)
 
 
-def _value_counts(parts: Sequence[torch.Tensor], plan: _Plan, ge: torch.Tensor) -> torch.Tensor:
-    """How many |x| >= v for every value of the plan, per segment: key counts, plus one masked
-    pass over a straggler's cell in the segments that have elements there."""
-    g = ge.index_select(0, _cols(plan, ge.device))
-    if not plan.stragglers:
-        return g
-    first, above = _held_cols(plan, ge.device)
-    held = (ge.index_select(0, first) - ge.index_select(0, above)).t().tolist()
-    if not any(map(any, held)):  # the usual case: no element in any straggler's cell
-        return g
+def _value_counts(parts: Sequence[torch.Tensor], plan: _Plan, g: torch.Tensor,
+                  held: list[list[int]]) -> torch.Tensor:
+    """g (how many |x| >= v for every value of the plan, per segment, from key counts), plus
+    one masked pass over a straggler's cell in the segments that have elements there."""
     for j, (cell, idx) in enumerate(plan.stragglers):
         idx = sorted(idx, key=lambda i: plan.values[i])
         bounds = torch.tensor([_bits(plan.values[i]) for i in idx], dtype=torch.int32,
-                              device=ge.device)
-        for s in (s for s in range(len(parts)) if held[s][j]):
+                              device=g.device)
+        for s in (s for s in range(len(parts)) if held[j][s]):
             b = parts[s].view(torch.int32) & 0x7FFFFFFF
             inside = b[(b >> _LOW) == cell]
             below = torch.bucketize(inside, bounds, right=True)  # how many bounds are <= b
@@ -343,19 +364,36 @@ def _value_counts(parts: Sequence[torch.Tensor], plan: _Plan, ge: torch.Tensor) 
     return g
 
 
-@functools.lru_cache(maxsize=16)
-def _cols(plan: _Plan, device: torch.device) -> torch.Tensor:
-    """Per value of the plan, the row of its threshold in the counts."""
-    return torch.tensor(plan.cols, device=device)
+class _Indices(NamedTuple):
+    """Rows picked from a table of threshold counts (cached per plan and device)."""
+
+    small: torch.Tensor        # the shared values', then each straggler's first and above
+    cols: torch.Tensor         # every value's threshold row, then the always-0 row
+    plus: torch.Tensor         # table = rows plus - rows minus: head values, then bins
+    minus: torch.Tensor
+    value_plus: torch.Tensor   # the same, as rows of the value counts picked by cols
+    value_minus: torch.Tensor
 
 
 @functools.lru_cache(maxsize=16)
-def _held_cols(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Columns of the key counts whose difference is how many elements each straggler's cell
-    holds at or above its lowest key that needs the masked pass."""
-    return (torch.tensor([plan.col(_first_key(plan, c, ix)) for c, ix in plan.stragglers],
-                         device=device),
-            torch.tensor([plan.col(2 * c + 2) for c, _ in plan.stragglers], device=device))
+def _indices(plan: _Plan, device: torch.device) -> _Indices:
+    at = {v: i for i, v in enumerate(plan.values)}
+    rows = [_row(plan, c) for c in plan.cols]
+    zero = len(plan.values)  # the row cols adds: threshold row 0, always 0
+    # a bin's count = how many >= its lower edge - how many >= its upper edge
+    levels = [at[_SHARED[1]], *(at[e] for e in _EDGES), at[_SHARED[2]]]
+    vplus = [*range(plan.head), *levels[:-1]]
+    vminus = [zero] * plan.head + levels[1:]
+    first = [_row(plan, plan.col(_first_key(plan, c, ix))) for c, ix in plan.stragglers]
+    above = [_row(plan, plan.col(2 * c + 2)) for c, _ in plan.stragglers]
+    cols = [*rows, 0]
+
+    def tensor(v: list[int]) -> torch.Tensor:
+        return torch.tensor(v, device=device)
+
+    return _Indices(tensor([rows[at[v]] for v in _SHARED] + first + above), tensor(cols),
+                    tensor([cols[i] for i in vplus]), tensor([cols[i] for i in vminus]),
+                    tensor(vplus), tensor(vminus))
 
 
 def _first_key(plan: _Plan, cell: int, idx: Sequence[int]) -> int:
@@ -363,13 +401,3 @@ def _first_key(plan: _Plan, cell: int, idx: Sequence[int]) -> int:
     split = dict(plan.splits).get(cell, 1)
     low = min(_bits(plan.values[i]) & ((1 << _LOW) - 1) for i in idx)
     return 2 * cell + (low >= split)  # in cell 0, say, zeros never need the masked pass
-
-
-@functools.lru_cache(maxsize=64)
-def _levels(plan: _Plan, device: torch.device
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Indices into plan.values of each histogram bin's lower and upper edge, and of the
-    shared values (0, float32's tiniest, inf)."""
-    at = {v: i for i, v in enumerate(plan.values)}
-    lev = torch.tensor([at[_SHARED[1]], *(at[e] for e in _EDGES), at[_SHARED[2]]], device=device)
-    return lev[:-1], lev[1:], torch.tensor([at[v] for v in _SHARED], device=device)

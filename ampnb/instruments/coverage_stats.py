@@ -24,7 +24,7 @@ from ampnb.instruments._bins import (  # noqa: F401
     FormatLike,
     _cut_points,
 )
-from ampnb.instruments._bitkeys import _levels, _plan, count_segments
+from ampnb.instruments._bitkeys import _plan, count_segments
 
 
 @dataclass(frozen=True, repr=False)
@@ -148,18 +148,15 @@ def segment_counts(parts: Sequence[torch.Tensor], formats: Iterable[FormatLike],
     if parts[0].dtype != torch.float32 or not all(lengths):
         return _bucketize_counts(torch.cat(parts) if len(parts) > 1 else parts[0], lengths, fmts)
     plan = _plan(fmts)
-    g, ext = count_segments(parts, plan, absolute)
-    lo, hi, shared = _levels(plan, g.device)
-    g0, gtiny, ginf = g.index_select(0, shared).tolist()
+    table, shared, ext = count_segments(parts, plan, absolute)
     # The extremes' bits as floats in one conversion (a float32 value is exact as a double);
     # no finite (nonzero) element: nan. (Bits past inf's, or -1, mean "none": unused.)
     m = len(ext)
     bits = struct.unpack(f"<{m}f", struct.pack(f"<{m}i", *[min(max(e, -1), _INF_BITS) for e in ext]))
+    g0, gtiny, ginf = shared
     amax = [bits[2 * i] if a > c else math.nan for i, (a, c) in enumerate(zip(g0, ginf))]
     min_nz = [bits[2 * i + 1] if b > c else math.nan
               for i, (b, c) in enumerate(zip(gtiny, ginf))]
-    # the edges' counts are only needed as histogram differences
-    table = torch.cat([g[:plan.head], g.index_select(0, lo) - g.index_select(0, hi)]).t()
     return SegmentCounts(*_columns(fmts), plan.head, tuple(lengths), amax, min_nz, table)
 
 
