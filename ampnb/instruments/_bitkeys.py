@@ -106,22 +106,47 @@ def _row(plan: _Plan, col: int) -> int:
     return len(plan.thresholds) - 1 - col
 
 
-_SCRATCH: list[torch.Tensor] = []
+class _Work(NamedTuple):
+    """Three int32 work buffers of n elements, and views of them that the passes need."""
+
+    b: torch.Tensor
+    k: torch.Tensor
+    t: torch.Tensor
+    rows: torch.Tensor | None  # b and k as (2, n // _ROW, _ROW), when n is whole rows
+    f: torch.Tensor            # b's memory as float32
+
+
+def _work(memory: torch.Tensor, n: int) -> _Work:
+    three = memory[:3 * n].view(3, n)
+    b, k, t = three.unbind()
+    return _Work(b, k, t, three[:2].view(2, -1, _ROW) if n % _ROW == 0 else None,
+                 b.view(torch.float32))
+
+
+_MEMORY: list[torch.Tensor] = []  # kept work memory, on CPU
+_VIEWS: dict[int, _Work] = {}     # per n, views of it
 _SCRATCH_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _buffers(n: int, device: torch.device) -> Iterator[torch.Tensor]:
-    """Three int32 work buffers of n elements, as the rows of one (3, n) tensor (two rows side
-    by side reduce in one call). On CPU, up to _CHUNK elements, the memory is kept between
-    calls: touching fresh memory costs more here than the passes themselves."""
+def _buffers(n: int, device: torch.device) -> Iterator[_Work]:
+    """Work buffers of n elements. On CPU, up to _CHUNK elements, the memory is kept between
+    calls (touching fresh memory costs more here than the passes themselves), and so are its
+    views for each n (a training loop asks for the same sizes at every step: making views
+    costs a few torch calls each time, and those add up on a small model)."""
     if device.type != "cpu" or n > _CHUNK or not _SCRATCH_LOCK.acquire(blocking=False):
-        yield torch.empty(3, n, dtype=torch.int32, device=device)
+        yield _work(torch.empty(3 * n, dtype=torch.int32, device=device), n)
         return
     try:
-        if not _SCRATCH or _SCRATCH[0].numel() < 3 * n:
-            _SCRATCH[:] = [torch.empty(3 * n, dtype=torch.int32)]
-        yield _SCRATCH[0][:3 * n].view(3, n)
+        work = _VIEWS.get(n)
+        if work is None:
+            if not _MEMORY or _MEMORY[0].numel() < 3 * n:
+                _MEMORY[:] = [torch.empty(3 * n, dtype=torch.int32)]
+                _VIEWS.clear()  # views of the old memory
+            elif len(_VIEWS) >= 16:
+                _VIEWS.clear()
+            work = _VIEWS[n] = _work(_MEMORY[0], n)
+        yield work
     finally:
         _SCRATCH_LOCK.release()
 
@@ -174,11 +199,11 @@ def _below_index(plan: _Plan, device: torch.device) -> torch.Tensor:
     return torch.tensor([max(t - 1, 0) for t in reversed(plan.thresholds)], device=device)
 
 
-def _count_chunks(x: torch.Tensor, bufs: Sequence[torch.Tensor], splits: torch.Tensor,
+def _count_chunks(x: torch.Tensor, bufs: _Work, splits: torch.Tensor,
                   absolute: bool = False) -> tuple[torch.Tensor, int, int]:
     """Key counts of x, a buffer-sized chunk at a time, and the bits of amax and min |x|>0.
     absolute: x already holds |x| (as staged by capture), so its bits are used as they are."""
-    b, k, t = bufs
+    b, k, t = bufs.b, bufs.k, bufs.t
     n, size = x.numel(), b.numel()
     table, hi, lo = None, -1, _INF_BITS
     for s in range(0, n, size):
@@ -223,13 +248,13 @@ def _many_segments(parts: Sequence[torch.Tensor], plan: _Plan, absolute: bool = 
     keys mapped to classes, counted by (class, segment) in one bincount."""
     nseg, nc, dev = len(parts), len(plan.thresholds), parts[0].device
     lay = _layout(tuple(p.numel() for p in parts), dev, parts[0].dtype)
-    with _buffers(lay.size, dev) as bufs:
-        b, k, t = bufs
+    with _buffers(lay.size, dev) as work:
+        b, k, t, rows, f = work
         # Each segment starts on a row of _ROW elements, zeros after it up to the next row.
-        torch.cat([x for pair in zip(parts, lay.pads) for x in pair], out=b.view(parts[0].dtype))
+        torch.cat([x for pair in zip(parts, lay.pads) for x in pair], out=f)
         if not absolute:
             b.bitwise_and_(0x7FFFFFFF)
-        ext = _extremes(bufs[:2], lay)
+        ext = _extremes(b, k, rows, lay)
         _keys(b, k, t, _split_table(plan, dev))
         # t = (nseg + 1) * class + segment, for one bincount over (class, segment); padding
         # is segment nseg, dropped. Class-major, so that picking rows later copies rows.
@@ -252,6 +277,7 @@ class _Layout(NamedTuple):
     pads: tuple[torch.Tensor, ...]    # zeros that fill each segment's last row
     segment: torch.Tensor             # int32, per element: its segment (padding: nseg)
     rows: torch.Tensor                # int64 (2, size // _ROW): each row's segment, twice
+    zeros: torch.Tensor               # int32 (2, segments)
 
 
 _CACHED = 1 << 20  # elements: layouts of runs up to this long are cached
@@ -274,23 +300,21 @@ def _make_layout(lengths: tuple[int, ...], device: torch.device, dtype: torch.dt
     row_of = torch.repeat_interleave(ids.long(), torch.tensor(rows, device=device),
                                      output_size=sum(rows))
     return _Layout(_ROW * sum(rows), lengths, tuple(_ROW * r for r in itertools.accumulate([0, *rows[:-1]])),
-                   tuple(zeros[:p] for p in pads), segment, row_of.expand(2, -1))
+                   tuple(zeros[:p] for p in pads), segment, row_of.expand(2, -1),
+                   torch.zeros(2, nseg, dtype=torch.int32, device=device))
 
 
 _cached_layout = functools.lru_cache(maxsize=4)(_make_layout)
 
 
-def _extremes(bs: torch.Tensor, lay: _Layout) -> list[int]:
-    """Per segment the bits of (amax, min |x|>0), from bs = (bits of |x| joined on rows,
-    scratch): a reduction per row for both, then the rows' results by segment. Only a
-    segment holding inf or NaN takes one more pass."""
-    b, s = bs
+def _extremes(b: torch.Tensor, s: torch.Tensor, rows: torch.Tensor, lay: _Layout) -> list[int]:
+    """Per segment the bits of (amax, min |x|>0), from b = bits of |x| joined on rows, and
+    scratch s (rows: both as (2, rows, _ROW)): a reduction per row for both, then the rows'
+    results by segment. Only a segment holding inf or NaN takes one more pass."""
     # (b - 1) ^ 0x7FFFFFFF = 2**31 - b for b > 0 (larger for smaller |x|), int32's min for 0
     torch.sub(b, 1, out=s).bitwise_xor_(0x7FFFFFFF)
-    per_row = bs.view(2, -1, _ROW).amax(2)
     # (from 0: every b >= 0, and an all-zero segment's min is then past any value: none)
-    his, los = per_row.new_zeros(2, len(lay.starts)).scatter_reduce_(
-        1, lay.rows, per_row, "amax").tolist()
+    his, los = torch.scatter_reduce(lay.zeros, 1, lay.rows, rows.amax(2), "amax").tolist()
     ext = []
     for i, (hi, lo) in enumerate(zip(his, los)):
         if hi >= _INF_BITS:
