@@ -299,9 +299,9 @@ def _make_layout(lengths: tuple[int, ...], device: torch.device, dtype: torch.dt
         output_size=sum(lengths) + sum(pads))
     row_of = torch.repeat_interleave(ids.long(), torch.tensor(rows, device=device),
                                      output_size=sum(rows))
-    return _Layout(_ROW * sum(rows), lengths, tuple(_ROW * r for r in itertools.accumulate([0, *rows[:-1]])),
-                   tuple(zeros[:p] for p in pads), segment, row_of.expand(2, -1),
-                   torch.zeros(2, nseg, dtype=torch.int32, device=device))
+    starts = tuple(_ROW * r for r in itertools.accumulate([0, *rows[:-1]]))
+    return _Layout(_ROW * sum(rows), lengths, starts, tuple(zeros[:p] for p in pads), segment,
+                   row_of.expand(2, -1), torch.zeros(2, nseg, dtype=torch.int32, device=device))
 
 
 _cached_layout = functools.lru_cache(maxsize=4)(_make_layout)
