@@ -117,6 +117,7 @@ class _Work(NamedTuple):
 
 
 def _work(memory: torch.Tensor, n: int) -> _Work:
+    """The work buffers of n elements at the start of memory (3 * n int32 or more)."""
     three = memory[:3 * n].view(3, n)
     b, k, t = three.unbind()
     return _Work(b, k, t, three[:2].view(2, -1, _ROW) if n % _ROW == 0 else None,
@@ -401,6 +402,7 @@ class _Indices(NamedTuple):
 
 @functools.lru_cache(maxsize=16)
 def _indices(plan: _Plan, device: torch.device) -> _Indices:
+    """The rows count_segments picks, for this plan, as index tensors on the device."""
     at = {v: i for i, v in enumerate(plan.values)}
     rows = [_row(plan, c) for c in plan.cols]
     zero = len(plan.values)  # the row cols adds: threshold row 0, always 0
