@@ -10,6 +10,7 @@ on any machine.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -156,6 +157,31 @@ class PrecisionMode(TableView):
         """Around the optimizer step: the step runs on fp32 masters (APEX O2). None: every
         optimizer stepping inside (a %%amp cell)."""
         return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
+        """Fabric's `backward`: the loss, scaled when there is a GradScaler, backward."""
+        (loss if scaler is None else scaler.scale(loss)).backward()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer,
+                       scaler: torch.amp.GradScaler | None = None,
+                       before_update: Callable[[], None] | None = None) -> bool:
+        """Fabric's `optimizer_step`: unscale, `before_update` (clip), step or skip, update the
+        scale; on the mode's master weights. True when optimizer.step() ran."""
+        ran = []
+        with self.master_weights(optimizer), Guard(
+                lambda: optimizer.register_step_post_hook(lambda *_: ran.append(True)),
+                lambda handle: handle.remove()):
+            if scaler is not None and scaler.is_enabled():
+                scaler.unscale_(optimizer)
+                if before_update is not None:
+                    before_update()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                if before_update is not None:
+                    before_update()
+                optimizer.step()
+        return bool(ran)
 
 
 class MixedMode(PrecisionMode):

@@ -1,0 +1,201 @@
+"""The one training step under a mode (DESIGN.md, "The step"), and the context a cell runs in.
+
+A step means what torch's AMP recipe and Lightning Fabric mean: forward and loss under the
+mode's autocast, backward with autocast off, the update through the mode's `optimizer_step`
+(GradScaler, APEX masters), and no autocast-cached weight copy outliving an in-place update.
+Every ampnb runner calls `train_step` (or `forward_loss` + the mode's hooks) inside
+`step_context`; a `%%amp` cell, on one process or on `--nproc` ranks, runs in `cell_context`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.variable import Variable
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from ampnb._interrupt import Guard
+from ampnb.batch import Batch, step_loss
+from ampnb.device import TF32Setting, tf32_context
+from ampnb.fp16_kernels import Fp16Kernels
+from ampnb.modes import PrecisionMode
+from ampnb.selective import keep_fp32
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """A mode on a device with a TF32 setting (None: flags as they are), fp16 kernels (None:
+    the process-wide setting) and module patterns kept in fp32."""
+
+    mode: PrecisionMode
+    device: str
+    tf32: TF32Setting | None = None
+    fp16_kernels: Fp16Kernels | None = None
+    keep_fp32: tuple[str, ...] = ()
+
+
+class _Entered(list):
+    """What each context's __enter__ returned, and the stack that leaves them."""
+
+    stack: contextlib.ExitStack
+
+
+def _enter_all(contexts: Iterable[contextlib.AbstractContextManager]) -> _Entered:
+    entered = _Entered()
+    entered.stack = contextlib.ExitStack()
+    try:
+        for c in contexts:
+            entered.append(entered.stack.enter_context(c))
+    except BaseException:
+        entered.stack.close()
+        raise
+    return entered
+
+
+def all_of(contexts: Iterable[contextlib.AbstractContextManager]) -> Guard:
+    """One context for several: all entered or none; leaving always completes.
+
+    `as` gives the list of what each context's __enter__ returned.
+    """
+    return Guard(lambda: _enter_all(list(contexts)), lambda entered: entered.stack.close())
+
+
+# ----- backward outside autocast, no stale autocast cache --------------------------------------
+
+
+class _Engine:
+    """autograd's engine with `run_backward` run under autocast off (what torch's recipe asks).
+
+    Tensor.backward, torch.autograd.backward and torch.autograd.grad all reach the engine
+    through `Variable._execution_engine.run_backward`: one place covers every spelling.
+    """
+
+    def __init__(self, engine: Any, thread: int) -> None:
+        self._engine, self._thread = engine, thread
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython shows the user's frames only
+        if threading.get_ident() != self._thread:
+            return self._engine.run_backward(*args, **kwargs)
+        on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+        if not on:
+            return self._engine.run_backward(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for d in on:
+                stack.enter_context(torch.autocast(d, enabled=False))
+            out = self._engine.run_backward(*args, **kwargs)
+        torch.clear_autocast_cache()  # the update that follows makes cached copies stale
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def _engine_in() -> Any:
+    previous = Variable._execution_engine
+    Variable._execution_engine = _Engine(previous, threading.get_ident())
+    return previous
+
+
+def _engine_out(previous: Any) -> None:
+    Variable._execution_engine = previous
+
+
+def backward_outside_autocast() -> Guard:
+    """Autograd's backward runs with autocast off while the body runs (in this thread)."""
+    return Guard(_engine_in, _engine_out)
+
+
+def _clear_cache(*_: Any) -> None:
+    torch.clear_autocast_cache()
+
+
+def fresh_autocast_weights() -> Guard:
+    """No autocast-cached weight copy outlives an update: the region caches nothing, and every
+    optimizer.step() drops what a nested torch.autocast region of the user's cached."""
+    def enter() -> tuple[bool, Any]:
+        previous = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        return previous, register_optimizer_step_post_hook(_clear_cache)
+
+    def exit(state: tuple[bool, Any]) -> None:
+        previous, handle = state
+        handle.remove()
+        torch.set_autocast_cache_enabled(previous)
+
+    return Guard(enter, exit)
+
+
+# ----- the contexts ----------------------------------------------------------------------------
+
+
+def _kept(models: nn.Module | Mapping[str, nn.Module] | None,
+          patterns: tuple[str, ...]) -> list[contextlib.AbstractContextManager]:
+    return [keep_fp32(models, patterns)] if models and patterns else []
+
+
+def step_context(s: StepSettings, models: nn.Module | Mapping[str, nn.Module] | None = None
+                 ) -> Guard:
+    """What a whole step (forward, backward, update) runs in: TF32, the mode's products, the
+    modules kept in fp32. `as` gives what each entered; [0] is the TF32 emulation or None."""
+    return all_of([tf32_context(s.tf32, s.device), s.mode.kernel_context(s.device, s.fp16_kernels),
+                   *_kept(models, s.keep_fp32)])
+
+
+def cell_context(s: StepSettings, models: nn.Module | Mapping[str, nn.Module] | None = None
+                 ) -> Guard:
+    """What a `%%amp` cell runs in (one process or a rank): everything under the mode's
+    forward context except autograd's backward; optimizers step the mode's way (APEX masters);
+    no autocast-cached weight outlives an update. `as` [0] is the TF32 emulation or None."""
+    return all_of([tf32_context(s.tf32, s.device), s.mode.kernel_context(s.device, s.fp16_kernels),
+                   s.mode.module_init_context(), s.mode.forward_context(s.device),
+                   fresh_autocast_weights(), backward_outside_autocast(),
+                   s.mode.master_weights(None), *_kept(models, s.keep_fp32)])
+
+
+# ----- the step --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class StepOutcome:
+    """One step: the loss (detached), the model's raw output, the scale used, whether skipped."""
+
+    loss: torch.Tensor
+    output: Any
+    scale: float | None
+    skipped: bool
+
+
+def forward_loss(mode: PrecisionMode, model: Callable[..., Any], batch: Batch,
+                 loss_fn: Callable[..., Any] | None, device: str | torch.device
+                 ) -> tuple[Any, torch.Tensor]:
+    """The model's forward and the loss under the mode's forward context: (raw output, loss)."""
+    run = batch.to(device).convert(mode.convert_input)
+    with mode.forward_context(device):
+        raw = run.call(model)
+        loss = step_loss(mode.convert_output(raw), run, loss_fn)
+    return raw, loss
+
+
+def train_step(mode: PrecisionMode, model: Callable[..., Any], optimizer: torch.optim.Optimizer,
+               batch: Batch, loss_fn: Callable[..., Any] | None = None, *,
+               device: str | torch.device = "cpu", scaler: torch.amp.GradScaler | None = None,
+               before_update: Callable[[], None] | None = None) -> StepOutcome:
+    """zero_grad, forward + loss under the mode, `mode.backward`, `mode.optimizer_step`.
+
+    `before_update` runs on unscaled gradients before the update (clip, read gradients).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    scale = None if scaler is None or not scaler.is_enabled() else float(scaler.get_scale())
+    raw, loss = forward_loss(mode, model, batch, loss_fn, device)
+    mode.backward(loss, scaler)
+    stepped = mode.optimizer_step(optimizer, scaler, before_update)
+    return StepOutcome(loss.detach(), raw, scale, not stepped)
