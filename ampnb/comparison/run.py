@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import time
@@ -15,12 +14,12 @@ from torch import nn
 
 from ampnb._interrupt import Guard
 from ampnb.comparison.result import REFERENCE, Comparison, Row, dtypes, errors, kept
-from ampnb.device import TF32_ALLOWED, sync, tf32_context, tf32_setting, tf32_state
+from ampnb.device import TF32_ALLOWED, sync, tf32_setting, tf32_state
 from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
-from ampnb.selective import keep_fp32 as keep_fp32_context
-from ampnb.selective import matching_modules
+from ampnb.selective import keep_patterns, matching_modules
+from ampnb.step import StepSettings, all_of, cell_context
 
 
 def _no_note(mode: PrecisionMode) -> str:
@@ -79,33 +78,6 @@ def _entries(modes: Iterable[str] | str, setting: str | None) -> list[_Entry]:
     return list(dict.fromkeys(entries))
 
 
-class _Entered(list):
-    """What each context's __enter__ returned, and the stack that leaves them."""
-
-    stack: contextlib.ExitStack
-
-
-def _enter_all(contexts: list[contextlib.AbstractContextManager]) -> _Entered:
-    """Enter every context in order; on an error, leave those entered before raising."""
-    entered = _Entered()
-    entered.stack = contextlib.ExitStack()
-    try:
-        for c in contexts:
-            entered.append(entered.stack.enter_context(c))
-    except BaseException:
-        entered.stack.close()
-        raise
-    return entered
-
-
-def guarded(contexts: list[contextlib.AbstractContextManager]) -> Guard:
-    """One context for several: all of them are entered, or none; leaving always completes.
-
-    `as` gives the list of what each context's __enter__ returned.
-    """
-    return Guard(lambda: _enter_all(contexts), lambda entered: entered.stack.close())
-
-
 def _one_line(e: BaseException) -> str:
     first = (str(e).strip().splitlines() or [""])[0]
     text = f"{type(e).__name__}: {first}" if first else type(e).__name__
@@ -160,15 +132,14 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     def once(e: _Entry, meter: MemoryMeter | None = None) -> float:
         nonlocal done
         mode = get_mode(e.mode)
-        contexts = [tf32_context(e.tf32, dev), mode.kernel_context(dev, kernels),
-                    mode.module_init_context(), mode.forward_context(dev),
-                    mode.master_weights(None)]  # APEX O2: optimizers step on fp32 masters
-        if islands and e != entries[0]:  # the reference stays IEEE fp32 throughout
-            contexts.append(keep_fp32_context(model, keep_fp32))
+        # The reference stays IEEE fp32 throughout: no module kept in fp32 there.
+        island = keep_patterns(keep_fp32) if islands and e != entries[0] else ()
+        cell = cell_context(StepSettings(mode, str(dev), tf32_setting(e.tf32), kernels, island),
+                            model if island else None)
         with Guard(lambda: work.prepare(mode), lambda _: work.restore()) as note:
             notes[e] = note
             torch.manual_seed(seed)
-            with guarded(contexts + ([meter] if meter is not None else [])):
+            with all_of([cell] + ([meter] if meter is not None else [])):
                 sync(dev)
                 t0 = time.perf_counter()
                 value = work.run()

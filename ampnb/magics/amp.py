@@ -12,6 +12,7 @@ from IPython.display import display
 from traitlets import Integer, TraitError, Unicode, validate
 
 from ampnb.magics import compare_cell, runs
+from ampnb.step import StepSettings
 
 _CELL_ONLY = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "output", "doctor",
               "profile", "fp16_kernels", "keep_fp32", "nproc")
@@ -203,7 +204,7 @@ class AmpMagics(Magics):
             display(run)
         return None
 
-    def _settings(self, args: Any) -> runs.Settings:
+    def _settings(self, args: Any) -> StepSettings:
         mode = self.default_mode if args.mode is None else args.mode
         device = self.default_device if args.device is None else args.device
         tf32 = (self.default_tf32 or None) if args.tf32 is None else args.tf32

@@ -16,8 +16,9 @@ from ampnb.comparison.snapshot import StartState, used_names
 from ampnb.display import dtype_name
 from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
-from ampnb.magics.runs import Settings, _available, _notes, _tf32_text
+from ampnb.magics.runs import _available, _notes, _tf32_text
 from ampnb.modes import MODES, PrecisionMode, get_mode
+from ampnb.step import StepSettings
 
 
 class _Progress:
@@ -84,7 +85,7 @@ class _Runs:
         return changed or self.start.changed_modules()
 
 
-def run_compare(shell: Any, cell: str, s: Settings, modes_text: str, repeat: int,
+def run_compare(shell: Any, cell: str, s: StepSettings, modes_text: str, repeat: int,
                 quiet: bool = False) -> AmpRun:
     """Run the cell under 32-true and each mode from the same start; compare table."""
     __tracebackhide__ = True  # noqa: F841

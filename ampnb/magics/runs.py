@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -11,39 +11,24 @@ from IPython.core.error import UsageError
 from torch import nn
 
 from ampnb import _state
-from ampnb.comparison.run import guarded
 from ampnb.comparison.snapshot import module_roots, used_names
 from ampnb.device import (
     TF32Setting,
     get_device,
     support,
     sync,
-    tf32_context,
     tf32_effect,
     tf32_state,
 )
 from ampnb.device import tf32_setting as _core_tf32_setting
-from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
+from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
 from ampnb.magics import instruments
 from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
 from ampnb.magics.show_code import show_code
 from ampnb.modes import MODES, PrecisionMode, get_mode
-from ampnb.selective import keep_fp32, keep_patterns, matching_modules
-
-
-@dataclass(frozen=True)
-class Settings:
-    """A checked mode, a present device and a TF32 setting (None: leave the flags as they are).
-
-    `fp16_kernels` None follows the process-wide setting; `keep_fp32` holds module patterns.
-    """
-
-    mode: PrecisionMode
-    device: str
-    tf32: TF32Setting | None
-    fp16_kernels: Fp16Kernels | None = None
-    keep_fp32: tuple[str, ...] = ()
+from ampnb.selective import keep_patterns, matching_modules
+from ampnb.step import StepSettings, all_of, cell_context
 
 
 def mode_name(value: Any) -> str:
@@ -78,16 +63,16 @@ def _available(mode: PrecisionMode, device: str) -> PrecisionMode:
 
 
 def settings(mode: Any, device: Any, tf32: Any, fp16_kernels: Any = None,
-             keep_fp32: str | None = None) -> Settings:
+             keep_fp32: str | None = None) -> StepSettings:
     """Check a mode, device and TF32 setting together (ValueError with the allowed values)."""
     dev = device_name(device)
     kernels = None if fp16_kernels is None else fp16_kernels_choice(fp16_kernels)
     # IPython's argument parser keeps the quotes of --keep-fp32 "lm_head,*.norm"
     keep = () if keep_fp32 is None else keep_patterns(keep_fp32.strip().strip("'\""))
-    return Settings(_available(get_mode(mode), dev), dev, tf32_setting(tf32), kernels, keep)
+    return StepSettings(_available(get_mode(mode), dev), dev, tf32_setting(tf32), kernels, keep)
 
 
-def kept_modules(s: Settings, ns: dict[str, Any], names: Any) -> dict[str, nn.Module]:
+def kept_modules(s: StepSettings, ns: dict[str, Any], names: Any) -> dict[str, nn.Module]:
     """The models the cell uses (by name) when --keep-fp32 is given, else {}; ValueError if none."""
     if not s.keep_fp32:
         return {}
@@ -99,7 +84,7 @@ def kept_modules(s: Settings, ns: dict[str, Any], names: Any) -> dict[str, nn.Mo
     return models
 
 
-def mode_notes(s: Settings, mode: PrecisionMode, models: dict[str, nn.Module]) -> list[str]:
+def mode_notes(s: StepSettings, mode: PrecisionMode, models: dict[str, nn.Module]) -> list[str]:
     """How the mode's products ran here, and which modules ran in fp32."""
     notes = []
     if mode.compute_dtype == torch.float16 and (said := fp16_kernels_note(s.device, s.fp16_kernels)):
@@ -109,13 +94,13 @@ def mode_notes(s: Settings, mode: PrecisionMode, models: dict[str, nn.Module]) -
     return notes
 
 
-def _tf32_text(s: Settings) -> str:
+def _tf32_text(s: StepSettings) -> str:
     if s.tf32 is None:
         return ("on" if tf32_state().matmul else "off") + " (as is)"
     return "emulated" if s.tf32 is TF32Setting.emulate else s.tf32.value
 
 
-def _notes(s: Settings, mode: PrecisionMode, emulation: Any = None) -> list[str]:
+def _notes(s: StepSettings, mode: PrecisionMode, emulation: Any = None) -> list[str]:
     notes = []
     found = support(mode, s.device)
     # fp16 on a CPU: mode_notes says how its products ran under this run's --fp16-kernels
@@ -156,25 +141,20 @@ def _state_note(before: _state.TorchState, after: _state.TorchState) -> list[str
             "%%amp restores only what it set"]
 
 
-def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
+def run_once(shell: Any, cell: str, s: StepSettings, args: Any) -> AmpRun:
     """Run the cell once under the settings; errors in the cell propagate after restoring state."""
     __tracebackhide__ = True  # noqa: F841
     compiled = compile_cell(shell, cell)
     ns = shell.user_ns
     watch, before = Watch(ns), _state.snapshot()
-    tf32 = tf32_context(s.tf32, s.device)
     probes = instruments.probes(args, s)
     dev = torch.device(s.device)
     try:
         models = kept_modules(s, ns, compiled.names)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    kept = [keep_fp32(models, s.keep_fp32)] if models else []
     # Entered all or none, left to the end, whatever line an interrupt lands on.
-    contexts = [tf32, s.mode.kernel_context(s.device, s.fp16_kernels),
-                s.mode.module_init_context(), s.mode.forward_context(s.device),
-                s.mode.master_weights(None), *kept, *probes]
-    with guarded(contexts) as entered:
+    with all_of([cell_context(s, models), *probes]) as entered:
         try:
             sync(dev)
             t0 = time.perf_counter()
@@ -184,7 +164,7 @@ def run_once(shell: Any, cell: str, s: Settings, args: Any) -> AmpRun:
         except BaseException as e:
             instruments.note_finding(e, probes)
             raise
-    emulation = entered[0]
+    emulation = entered[0][0]
     made = watch.made(value)
     notes = (_notes(s, s.mode, emulation) + mode_notes(s, s.mode, models)
              + _true_mode_note(s.mode, made)

@@ -1,0 +1,147 @@
+"""A `%%amp` cell runs torch's recipe: autocast everywhere but backward, no stale autocast weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ampnb.instruments.trace import trace_ops
+from tests._magics_kit import amp, shell_with_ampnb
+
+ip = pytest.fixture(shell_with_ampnb)
+
+MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@pytest.mark.parametrize("mode", sorted(MIXED))
+def test_an_in_place_update_is_seen_by_the_next_forward(ip, mode):
+    ip.user_ns["h"] = torch.randn(4, 16)
+    cell = ("a = lin(h)\n"
+            "with torch.no_grad():\n"
+            "    lin.weight.add_(1)\n"
+            "b = lin(h)\n"
+            "(a, b)")
+    native = " --fp16-kernels native" if mode == "16-mixed" else ""  # the reference's kernels
+    (a, b), _ = amp(ip, mode + native, cell)
+    assert a.dtype == MIXED[mode]
+    assert not torch.equal(a, b)
+    with torch.no_grad(), torch.autocast("cpu", dtype=MIXED[mode]):
+        expected = ip.user_ns["lin"](ip.user_ns["h"])  # the updated weight, cast afresh
+    assert torch.equal(b, expected)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(),
+                         nn.Linear(64, 4))
+
+
+LOOP = ("opt = torch.optim.SGD(net.parameters(), lr=0.05)\n"
+        "for _ in range(20):\n"
+        "    opt.zero_grad()\n"
+        "    loss = torch.nn.functional.mse_loss(net(xs), ys)\n"
+        "    loss.backward()\n"
+        "    opt.step()\n")
+
+
+def _recipe(net: nn.Module, xs: torch.Tensor, ys: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    """torch's AMP recipe: autocast around forward and loss only."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    for _ in range(20):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = nn.functional.mse_loss(net(xs), ys)
+        loss.backward()
+        opt.step()
+    return net
+
+
+def test_a_training_loop_in_one_cell_gives_the_recipes_weights(ip):
+    net = _net()
+    xs, ys = torch.randn(32, 16), torch.randn(32, 4)
+    ref = _recipe(copy.deepcopy(net), xs, ys, torch.bfloat16)
+    ip.user_ns.update(net=net, xs=xs, ys=ys)
+    amp(ip, "bf16-mixed", LOOP)
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)  # the same ops in the same order: bit for bit
+
+
+def test_the_loop_on_ranks_free_code_matches_with_a_scaler(ip):
+    """16-mixed with the user's own GradScaler: backward outside autocast, scaler steps as torch's."""
+    net = _net()
+    xs, ys = torch.randn(32, 16), torch.randn(32, 4)
+    ref = copy.deepcopy(net)
+    ip.user_ns.update(net=net, xs=xs, ys=ys)
+    cell = ("opt = torch.optim.SGD(net.parameters(), lr=0.05)\n"
+            "scaler = torch.amp.GradScaler('cpu')\n"
+            "for _ in range(5):\n"
+            "    opt.zero_grad()\n"
+            "    loss = torch.nn.functional.mse_loss(net(xs), ys)\n"
+            "    scaler.scale(loss).backward()\n"
+            "    scaler.step(opt)\n"
+            "    scaler.update()\n")
+    amp(ip, "16-mixed --fp16-kernels native", cell)
+    opt, scaler = torch.optim.SGD(ref.parameters(), lr=0.05), torch.amp.GradScaler("cpu")
+    for _ in range(5):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(ref(xs), ys)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+    ip.user_ns.pop("scaler", None)
+
+
+def test_functional_ops_run_under_autocast_and_backward_does_not(ip):
+    """`a @ b` is lowered; a region the cell runs with autocast off stays fp32 in backward too."""
+    ip.user_ns.update(a=torch.randn(8, 8, requires_grad=True), b=torch.randn(8, 8))
+    cell = ("y = a @ b\n"
+            "with torch.autocast('cpu', enabled=False):\n"
+            "    z = a @ b\n"
+            "(y.float().sum() + z.sum()).backward()\n"
+            "(y.dtype, z.dtype)\n")
+    with trace_ops() as t:
+        dtypes, _ = amp(ip, "bf16-mixed", cell)
+    assert dtypes == (torch.bfloat16, torch.float32)
+    backward_mm = {r.output_dtype for r in t.rows if r.phase == "backward" and r.op == "mm"}
+    assert backward_mm == {"bfloat16", "float32"}  # each backward in its forward's dtype
+    for name in ("a", "b", "y", "z"):
+        ip.user_ns.pop(name, None)
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def test_a_kept_module_is_fp32_in_forward_and_backward(ip):
+    torch.manual_seed(0)
+    ip.user_ns.update(model=_Two(), xs=torch.randn(8, 16))
+    cell = "model(xs).float().pow(2).mean().backward()\n"
+    with trace_ops() as t:
+        amp(ip, '16-mixed --keep-fp32 "head"', cell)
+    head = [r for r in t.rows if r.module.startswith("head") and r.op in ("mm", "addmm")]
+    assert {r.phase for r in head} == {"forward", "backward"}
+    assert all(r.output_dtype == "float32" for r in head), head
+    body = [r for r in t.rows if r.module.startswith("body") and r.op in ("mm", "addmm")]
+    assert any(r.output_dtype == "float16" for r in body)  # the rest is fp16 as the mode says
+
+
+def test_the_cell_leaves_autocast_and_the_engine_as_they_were(ip):
+    from torch.autograd.variable import Variable
+
+    engine = Variable._execution_engine
+    with pytest.raises(ZeroDivisionError):
+        amp(ip, "bf16-mixed", "lin(x).sum().backward()\n1 / 0")
+    assert Variable._execution_engine is engine
+    assert not torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled()
