@@ -177,12 +177,18 @@ class StepOutcome:
 def forward_loss(mode: PrecisionMode, model: Callable[..., Any], batch: Batch,
                  loss_fn: Callable[..., Any] | None, device: str | torch.device
                  ) -> tuple[Any, torch.Tensor]:
-    """The model's forward and the loss under the mode's forward context: (raw output, loss)."""
+    """The model's forward and the loss under the mode's forward context: (raw output, loss).
+
+    The output is converted between the two, outside the context, as Fabric converts it.
+    """
     run = batch.to(device).convert(mode.convert_input)
     with mode.forward_context(device):
         raw = run.call(model)
-        loss = step_loss(mode.convert_output(raw), run, loss_fn)
-    return raw, loss
+    out = mode.convert_output(raw)
+    if loss_fn is None:  # the model's own loss: computed in its forward
+        return raw, step_loss(out, run, None)
+    with mode.forward_context(device):
+        return raw, step_loss(out, run, loss_fn)
 
 
 def train_step(mode: PrecisionMode, model: Callable[..., Any], optimizer: torch.optim.Optimizer,

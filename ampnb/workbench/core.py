@@ -12,14 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.batch import step_loss
 from ampnb.device import TF32Setting, get_device, sync, tf32_setting
-from ampnb.device import tf32 as tf32_switch  # `tf32` is also a parameter and property here
 from ampnb.display import Table, TableView, dtype_name
 from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
-from ampnb.selective import keep_fp32, matching_modules
+from ampnb.selective import matching_modules
+from ampnb.step import StepSettings, forward_loss, step_context, train_step
 from ampnb.workbench.inputs import check_inputs, output_dtype
 from ampnb.workbench.records import StepRecord, history_table, nonfinite_note, speedup
 from ampnb.workbench.state import (
@@ -185,33 +184,16 @@ class Workbench(TableView):
         """Run one training step under the current settings and record it."""
         mode, device, model, opt, scaler = self._mode, self._device, self.model, self.optimizer, self.scaler
         batch = self._batches[self._cursor % len(self._batches)]
-        opt.zero_grad(set_to_none=True)
-        scale = None if scaler is None else float(scaler.get_scale())
-        with tf32_switch(self._tf32):
+        with step_context(self._settings(), model):
             sync(device)
             start = time.perf_counter()
-            run = batch.to(device).convert(mode.convert_input)
             with MemoryMeter(device) as meter:
-                # Products run in the mode's kernels in forward and backward; the update has none.
-                with mode.kernel_context(device, self._fp16_kernels):
-                    with mode.forward_context(device), self._kept():
-                        raw = run.call(model)
-                    out_dtype = output_dtype(raw)
-                    loss = step_loss(mode.convert_output(raw), run, self.loss_fn)
-                    (loss if scaler is None else scaler.scale(loss)).backward()
-                if scaler is None:
-                    with mode.master_weights(opt):
-                        opt.step()
-                    skipped = False
-                else:
-                    with mode.master_weights(opt):  # APEX O2: the step runs on fp32 masters
-                        scaler.step(opt)
-                    scaler.update()
-                    # update() backs the scale off exactly when step() found inf/NaN and skipped.
-                    skipped = float(scaler.get_scale()) < scale
-                value = float(loss.detach())
+                done = train_step(mode, model, opt, batch, self.loss_fn, device=device,
+                                  scaler=scaler)
+                value = float(done.loss)
             sync(device)
             seconds = time.perf_counter() - start
+        out_dtype = output_dtype(done.output)
         bad = nonfinite_params(model, opt)  # said in the step that made them, not the next
         if bad:
             self.notes.append(nonfinite_note(len(self.history), mode.name, bad))
@@ -221,8 +203,8 @@ class Workbench(TableView):
         record = StepRecord(
             step=len(self.history), loss=value, seconds=seconds, mode=mode.name, device=str(device),
             tf32=self._tf32, param_dtype=self.param_dtype, output_dtype=out_dtype,
-            memory=meter.peak_bytes, cuda_peak=meter.cuda_peak_bytes, skipped=skipped,
-            scale=scale, first_after_switch=self._steps_here == 1, notes=tuple(self._pending),
+            memory=meter.peak_bytes, cuda_peak=meter.cuda_peak_bytes, skipped=done.skipped,
+            scale=done.scale, first_after_switch=self._steps_here == 1, notes=tuple(self._pending),
             nonfinite=bad, kernels=self.kernels_note, keep_fp32=self._keep)
         self._pending.clear()
         self.history.append(record)
@@ -238,19 +220,18 @@ class Workbench(TableView):
         """Forward + backward of the next batch inside context(); no update, RNG and buffers kept."""
         batch = self._batches[self._cursor % len(self._batches)]
         mode, device = self._mode, self._device
-        with (untouched(self.model), tf32_switch(self._tf32),
-              mode.kernel_context(device, self._fp16_kernels), context() as seen):
-            run = batch.to(device).convert(mode.convert_input)
-            with mode.forward_context(device), self._kept():
-                raw = run.call(self.model)
-            step_loss(mode.convert_output(raw), run, self.loss_fn).backward()
+        with (untouched(self.model), step_context(self._settings(), self.model),
+              context() as seen):
+            _, loss = forward_loss(mode, self.model, batch, self.loss_fn, device)
+            mode.backward(loss)
         return seen
 
     # ----- what a learner reads -----------------------------------------------------------
 
-    def _kept(self) -> contextlib.AbstractContextManager:
-        """The forward's keep_fp32 context (autocast off, fp32 inputs in the kept modules)."""
-        return keep_fp32(self.model, self._keep) if self._keep else contextlib.nullcontext()
+    def _settings(self) -> StepSettings:
+        """What the next step runs under."""
+        return StepSettings(self._mode, str(self._device), tf32_setting(self._tf32),
+                            self._fp16_kernels, self._keep)
 
     def speedup(self, window: int = 10) -> float | None:
         """Measured 32-true time / current mode's time on this device (recent medians)."""
