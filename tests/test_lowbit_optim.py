@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 from ampnb.instruments.memory import measure_memory
 from ampnb.lowbit import Adam8bit, compare_optimizers, dynamic_map, param_groups
 from ampnb.lowbit.blockwise import dequantize_blockwise
+from ampnb.lowbit.optim_compare import RUNS
 
 
 def grads(n: int, shape: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
@@ -151,3 +153,24 @@ def test_optimizer_loss_plot_has_one_line_per_run():
     ax = plot_optimizer_losses(result, smooth=2)
     assert [line.get_label() for line in ax.lines] == ["Adam", "Adam8bit"]
     assert list(ax.lines[1].get_ydata()) == [2.75, 2.0]
+
+
+def test_compare_optimizers_trains_like_a_hand_written_loop():
+    """Each run is the one step (32-true): the same losses as a plain torch loop."""
+    from ampnb.models import demo
+    from ampnb.models.demos import DEMOS
+
+    kw = dict(width=32, depth=1, n_head=2, batch_size=2, n_batches=2, seq_len=8)
+    r = compare_optimizers("gpt", steps=3, runs={"Adam": RUNS["Adam (fp32 state)"]}, **kw)
+    model, _, loss_fn, batches = demo("gpt", seed=0, **kw)
+    opt = torch.optim.Adam(model.parameters(), lr=DEMOS["gpt"].lr)
+    want = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for x, y in itertools.islice(itertools.cycle(batches), 3):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            want.append(loss.item())
+    assert list(r.losses["Adam"]) == want

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import warnings
@@ -13,27 +12,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.batch import Batch, as_batch, step_loss
+from ampnb.batch import Batch, as_batch
 from ampnb.display import Table, TableView
 from ampnb.fp8.convert import Fp8Report, convert_to_fp8
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 from ampnb.fp8.stats import Fp8Stats
 
-
-def _fp32(device: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
-def _bf16(device: str) -> contextlib.AbstractContextManager:
-    return torch.autocast(device, dtype=torch.bfloat16)
-
-
-# run name -> (converts to FP8?, forward context). FP8 runs keep bf16 autocast for every
-# other op, as Lightning's Transformer Engine plugin does with its fallback autocast.
-RUNS: dict[str, tuple[bool, Callable[[str], Any]]] = {
-    "32-true": (False, _fp32),
-    "bf16-mixed": (False, _bf16),
-    "fp8": (True, _bf16),
+# run name -> (converts to FP8?, the mode its steps run under). FP8 runs keep bf16 autocast
+# for every other op, as Lightning's Transformer Engine plugin does with its fallback autocast.
+RUNS: dict[str, tuple[bool, str]] = {
+    "32-true": (False, "32-true"),
+    "bf16-mixed": (False, "bf16-mixed"),
+    "fp8": (True, "bf16-mixed"),
 }
 
 
@@ -71,7 +61,12 @@ class _Work:
 
 def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, seed: int,
            watch: bool) -> tuple[list[float], Fp8Report | None, Fp8Stats | None]:
-    to_fp8, context = RUNS[run]
+    # fp8 sits below the modes (they import it): the one step is imported when a run starts.
+    from ampnb.modes import get_mode
+    from ampnb.step import StepSettings, step_context, train_step
+
+    to_fp8, mode_name = RUNS[run]
+    mode = get_mode(mode_name)
     model, opt = work.model, work.optimizer
     report = stats = None
     if to_fp8:
@@ -80,17 +75,16 @@ def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, se
             model, report = convert_to_fp8(model, recipe, inplace=True)
         stats = Fp8Stats(model) if watch else None
     losses = []
+    scaler = mode.make_scaler(device)
     # Same seed for every run: dropout draws the same masks, and the caller's RNG is kept.
     with torch.random.fork_rng(devices=[] if device == "cpu" else None):
         torch.manual_seed(seed)
         try:
-            for b in itertools.islice(itertools.cycle(work.batches), steps):
-                with context(device):
-                    loss = step_loss(b.call(model), b, work.loss_fn)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.item())
+            with step_context(StepSettings(mode, device)):
+                for b in itertools.islice(itertools.cycle(work.batches), steps):
+                    done = train_step(mode, model, opt, b, work.loss_fn, device=device,
+                                      scaler=scaler)
+                    losses.append(done.loss.item())
         finally:
             if stats is not None:
                 stats.detach()

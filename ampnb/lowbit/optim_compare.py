@@ -10,9 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampnb.batch import as_batch
 from ampnb.display import Table, TableView, format_bytes
 from ampnb.instruments.memory import measure_memory
 from ampnb.lowbit.optim import Adam8bit, param_groups
+from ampnb.modes import get_mode
+from ampnb.step import StepSettings, step_context, train_step
 
 Factory = Callable[[nn.Module, float], torch.optim.Optimizer]
 
@@ -67,13 +70,13 @@ def compare_optimizers(name: str = "gpt", steps: int = 150, *, lr: float | None 
         eight[run] = tuple(names[id(p)] for g in opt.param_groups for p in g["params"]
                            if isinstance(opt, Adam8bit) and opt.is_8bit(p, g))
         curve = []
-        with torch.random.fork_rng(devices=[]):  # same dropout masks in every run
-            torch.manual_seed(seed)
-            for x, y in itertools.islice(itertools.cycle(d.batches), steps):
-                loss = d.loss_fn(d.model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                curve.append(loss.item())
+        mode, device = get_mode("32-true"), str(next(d.model.parameters()).device)
+        scaler = mode.make_scaler(device)
+        with torch.random.fork_rng(devices=[]), step_context(StepSettings(mode, device)):
+            torch.manual_seed(seed)  # same dropout masks in every run
+            for b in itertools.islice(itertools.cycle(d.batches), steps):
+                done = train_step(mode, d.model, opt, as_batch(b, d.loss_fn), d.loss_fn,
+                                  device=device, scaler=scaler)
+                curve.append(done.loss.item())
         losses[run] = tuple(curve)
     return OptimizerComparison(losses, sizes, eight, d.n_params)

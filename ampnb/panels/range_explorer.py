@@ -10,15 +10,17 @@ import ipywidgets as widgets
 import torch
 from torch import nn
 
-from ampnb.batch import as_batch, model_loss, step_loss
+from ampnb.batch import as_batch, model_loss
 from ampnb.formats import get_format
 from ampnb.instruments.coverage_stats import coverage_table
 from ampnb.instruments.summaries import DEFAULT_FORMATS
 from ampnb.instruments.tensor_capture import Capture, capture
 from ampnb.models import Demo
+from ampnb.modes import get_mode
 from ampnb.panels.base import Panel
 from ampnb.plots._axes import new_axes
 from ampnb.plots.ranges import RANGE_FORMATS, plot_layer_summary, plot_tensor_histogram
+from ampnb.step import StepSettings, forward_loss, step_context
 from ampnb.workbench.state import untouched
 
 ALL = "(all layers)"
@@ -27,6 +29,11 @@ _SIZES = {"histogram": (8.0, 3.4), "summary_row": 0.28}
 # which doubled the cost of the first view on models with a hundred tensors (inches).
 _MARGIN_IN = {"left": 0.7, "right": 0.2, "bottom": 0.75, "top": 0.45, "legend": 0.3}
 _LABEL_IN = 7 * 0.55 / 72  # width of one character of a 7-point tick label
+
+
+def _own_loss(output: Any, _targets: Any) -> torch.Tensor | None:
+    """The model's own loss, or None: a model without one still shows its activations."""
+    return model_loss(output)
 
 
 class RangeExplorer(Panel):
@@ -96,20 +103,20 @@ class RangeExplorer(Panel):
     # ----- capture: one forward (+ backward) that leaves the model as it was ---------------
 
     def _capture(self) -> tuple[Capture, bool]:
-        """Run the batch once with hooks attached, without a trace (the Workbench's probe);
-        also whether there was a loss to take gradients of."""
+        """Run the batch once with hooks attached, as a step's forward and backward (no update,
+        no trace: the Workbench's probe); also whether there was a loss to take gradients of."""
         cap = capture(self.model, self.kinds, self.modules, self.formats)
-        had_loss = False
+        loss = None
         with untouched(self.model), cap:  # grads, buffers (BatchNorm stats) and RNG put back
             if self.batch is not None:
+                mode = get_mode("32-true")  # the model as it is
                 device = next(self.model.parameters(), torch.empty(0)).device
-                run = as_batch(self.batch, self.loss_fn).to(device)
-                with torch.enable_grad():
-                    out = run.call(self.model)
-                    had_loss = self.loss_fn is not None or model_loss(out) is not None
-                    if had_loss and "gradient" in self.kinds:
-                        step_loss(out, run, self.loss_fn).backward()
-        return cap, had_loss
+                with step_context(StepSettings(mode, str(device))), torch.enable_grad():
+                    _, loss = forward_loss(mode, self.model, as_batch(self.batch, self.loss_fn),
+                                           self.loss_fn or _own_loss, device)
+                    if loss is not None and "gradient" in self.kinds:
+                        mode.backward(loss)
+        return cap, loss is not None
 
     def _first_kind(self) -> str:
         have = {r.kind for r in self.capture.records}
