@@ -41,13 +41,13 @@ def _numpy_counts(a: np.ndarray, bounds: list[float]) -> tuple[dict[float, int],
 
 def run() -> list[Result]:
     from ampnb.formats import get_format
-    from ampnb.instruments.coverage_stats import _cut_points, segment_stats
+    from ampnb.instruments.coverage_stats import cut_points, segment_stats
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = _data(device)
     fmts = [get_format(f) for f in FORMATS]
     work = get_format("fp32")
-    cuts = {f.name: _cut_points(f, work) for f in fmts}
+    cuts = {f.name: cut_points(f, work) for f in fmts}
     bounds = sorted({0.0, work.smallest_subnormal, math.inf, *(c for cs in cuts.values() for c in cs)})
     host = x.cpu().numpy()
 

@@ -116,8 +116,8 @@ def test_a_container_output_kept_is_copied_once(monkeypatch):
 
     model, xs, _ = _setup()
     copies = []
-    real = tensor_capture._copy
-    monkeypatch.setattr(tensor_capture, "_copy", lambda x: copies.append(x) or real(x))
+    real = tensor_capture.exact_copy
+    monkeypatch.setattr(tensor_capture, "exact_copy", lambda x: copies.append(x) or real(x))
     with ampnb.capture(model, kinds=["activation"], keep=True) as cap:
         out = model(xs[0])
     body, last = cap.get("body", "activation"), cap.get(f"body.{len(model.body) - 1}",

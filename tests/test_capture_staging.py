@@ -65,7 +65,7 @@ def _expected(t: torch.Tensor):
         return None
     wide = t.detach().reshape(-1)
     wide = wide if wide.dtype in (torch.float32, torch.float64) else wide.float()
-    covs, _ = cs._expand(cs._bucketize_counts(wide, [wide.numel()], [get_format(f) for f in FORMATS]))[0]
+    covs, _ = cs.per_segment(cs.bucketize_counts(wide, [wide.numel()], [get_format(f) for f in FORMATS]))[0]
     a = t.detach().double().abs()
     finite = a[a.isfinite()]
     amax = finite.max().item() if finite.numel() else NAN
@@ -133,7 +133,7 @@ def test_many_small_segments_of_few_lengths_against_the_general_path():
     lengths = [rows[i].numel() for i in order]
     fmts = [get_format(f) for f in FORMATS]
     fast = cs.segment_stats(flat, lengths, fmts, absolute=True)
-    general = cs._expand(cs._bucketize_counts(flat, lengths, fmts))
+    general = cs.per_segment(cs.bucketize_counts(flat, lengths, fmts))
     assert [h for _, h in fast] == [h for _, h in general]
     for (cf, _), (cg, _) in zip(fast, general):
         for f in cf:
@@ -148,10 +148,10 @@ def test_short_segments_joined_on_rows_keep_their_own_extremes(monkeypatch, cach
     row's result must land in its own segment, whatever sits in the next one. Lengths on
     either side of a row; inf, NaN and the largest value at a segment's first or last
     element; a segment of zeros after one of huge values."""
-    from ampnb.instruments import _bitkeys
+    from ampnb.instruments import _scratch
     if not cached:  # layouts too long to cache are made for each call
-        monkeypatch.setattr(_bitkeys, "_CACHED", 0)
-    row = _bitkeys._ROW
+        monkeypatch.setattr(_scratch, "CACHE_LAYOUTS_UP_TO", 0)
+    row = _scratch.ROW
     g = torch.Generator().manual_seed(9)
     lengths = [1, row - 1, row, row + 1, 2 * row + 3, 5, row, 3 * row - 1]
     parts = [torch.randn(n, generator=g) * 10.0 ** (i % 5 - 2) for i, n in enumerate(lengths)]
@@ -164,7 +164,7 @@ def test_short_segments_joined_on_rows_keep_their_own_extremes(monkeypatch, cach
     flat = torch.cat(parts).abs()
     fmts = [get_format(f) for f in FORMATS]
     fast = cs.segment_stats(flat, lengths, fmts, absolute=True)
-    general = cs._expand(cs._bucketize_counts(flat, lengths, fmts))
+    general = cs.per_segment(cs.bucketize_counts(flat, lengths, fmts))
     assert [h for _, h in fast] == [h for _, h in general]
     for (cf, _), (cg, _), part in zip(fast, general, parts):
         for f in cf:
@@ -211,7 +211,7 @@ def test_segments_of_other_lengths_but_the_same_count_and_total():
     for lengths in ([3, 5], [5, 3], [3, 5]):
         flat = (torch.randn(8, generator=g) * torch.tensor([1e-9, 1e3] * 4)).abs()
         fast = cs.segment_stats(flat, lengths, fmts, absolute=True)
-        general = cs._expand(cs._bucketize_counts(flat, lengths, fmts))
+        general = cs.per_segment(cs.bucketize_counts(flat, lengths, fmts))
         assert [h for _, h in fast] == [h for _, h in general], lengths
         for (cf, _), (cg, _) in zip(fast, general):
             assert [_counts(c) for c in cf.values()] == [_counts(c) for c in cg.values()]

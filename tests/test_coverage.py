@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ampnb
+from ampnb.formats import FORMATS as KNOWN_FORMATS
 from ampnb.formats import get_format, quantize
 from ampnb.instruments import EXP_BINS, coverage, coverage_many, exponent_histogram
 
@@ -181,6 +182,10 @@ def test_cuda_matches_cpu():
     assert torch.equal(exponent_histogram(x.cuda()), exponent_histogram(x))
 
 
+# The oracle. Float32 counts come from bit keys (_bitkeys: keys, chunks, runs of short
+# segments joined on rows, stragglers); bucketize_counts is the simple computation, one
+# bucketize of |x| against every level. The fast path must give exactly what it gives.
+
 def _awkward_float32(n: int = 4000) -> torch.Tensor:
     """Random magnitudes over fp32's whole range, tiny subnormals, NaN payloads, exact cut points."""
     g = torch.Generator().manual_seed(3)
@@ -192,28 +197,65 @@ def _awkward_float32(n: int = 4000) -> torch.Tensor:
                       torch.tensor(edges, dtype=torch.float32)])
 
 
-def test_bit_pattern_path_equals_the_general_path(monkeypatch):
-    """The float32 fast path (bit keys, chunks) gives what one bucketize over |x| gives."""
+def _oracle_tensors() -> dict[str, torch.Tensor]:
+    """Float32 tensors of each kind the oracle test runs on, both signs."""
+    g = torch.Generator().manual_seed(17)
+    n = 3000
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    normal = torch.randn(n, generator=g) * torch.exp2(torch.empty(n).uniform_(-40, 40, generator=g))
+    subnormal = torch.randint(1, 1 << 23, (n,), generator=g, dtype=torch.int32).view(
+        torch.float32) * sign
+    zeros = torch.zeros(n) * sign  # +0 and -0
+    specials = torch.tensor([0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF], dtype=torch.int32)
+    nonfinite = torch.cat([specials.view(torch.float32).repeat(n // 8), normal[: n // 2]]) * \
+        sign[: n // 2 + 4 * (n // 8)]
+    return {"normal": normal, "subnormal": subnormal, "zeros": zeros,
+            "inf and NaN": nonfinite, "mixed": _awkward_float32(),
+            "only inf and NaN": specials.view(torch.float32).repeat(50)}
+
+
+def _same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _assert_same_as_oracle(fast, oracle) -> None:
+    assert [h for _, h in fast] == [h for _, h in oracle]
+    for (cf, _), (co, _) in zip(fast, oracle):
+        assert cf.keys() == co.keys()
+        for name in cf:
+            a, b = cf[name], co[name]
+            assert counts_of(a) == counts_of(b), name
+            assert a.count == b.count
+            assert _same_float(a.amax, b.amax) and _same_float(a.min_nonzero, b.min_nonzero)
+
+
+ALL_FORMATS = tuple(KNOWN_FORMATS)  # every format ampnb knows
+
+
+@pytest.mark.parametrize("names", [(f,) for f in ALL_FORMATS] + [ALL_FORMATS],
+                         ids=[*ALL_FORMATS, "all together"])
+@pytest.mark.parametrize("kind", list(_oracle_tensors()))
+def test_oracle_fast_path_equals_bucketize(kind, names, monkeypatch):
+    """The oracle test: coverage and histogram from bit keys equal bucketize_counts, for
+    one segment alone (in several chunks), segments joined on rows, and |x| staged."""
     from ampnb.instruments import _bitkeys
     from ampnb.instruments import coverage_stats as cs
-    x = _awkward_float32()
-    fmts = tuple(get_format(f) for f in FORMATS)
-    lengths = [1, 1000, 7, x.numel() - 1008]
-    plan = cs._plan(fmts)
-    # tf32 and bf16 round inside the same cells near float32's ends; tiny subnormals share cell 0
-    assert {c for c, _ in plan.stragglers} == {0, 0x7F, 0x7F7F}
-    monkeypatch.setattr(_bitkeys, "_CHUNK", 999)  # several chunks, the last one short
-    for lens in ([x.numel()], lengths):
-        fast = cs.segment_stats(x, lens, fmts)
-        general = cs._expand(cs._bucketize_counts(x, lens, fmts))
-        assert [h for _, h in fast] == [h for _, h in general]
-        for (cf, _), (cg, _) in zip(fast, general):
-            assert cf.keys() == cg.keys()
-            for k in cf:
-                a, b = cf[k], cg[k]
-                assert counts_of(a) == counts_of(b)
-                assert (a.amax, a.count) == (b.amax, b.count) or math.isnan(a.amax)
-                assert a.min_nonzero == b.min_nonzero or math.isnan(a.min_nonzero)
+    x = _oracle_tensors()[kind]
+    fmts = tuple(get_format(f) for f in names)
+    n = x.numel()
+    monkeypatch.setattr(_bitkeys, "CHUNK", 999)  # several chunks, the last one short
+    for lengths in ([n], [1, 100, 7, 64, n - 172]):
+        oracle = cs.per_segment(cs.bucketize_counts(x, lengths, fmts))
+        _assert_same_as_oracle(cs.segment_stats(x, lengths, fmts), oracle)
+        _assert_same_as_oracle(cs.segment_stats(x.abs(), lengths, fmts, absolute=True), oracle)
+
+
+def test_formats_rounding_inside_cells_make_stragglers():
+    """tf32 and bf16 round inside the same cells near float32's ends, and tiny subnormals share
+    cell 0: those levels are stragglers (the oracle test covers their masked pass)."""
+    from ampnb.instruments._keyplan import key_plan
+    plan = key_plan(tuple(get_format(f) for f in FORMATS))
+    assert {s.cell for s in plan.stragglers} == {0, 0x7F, 0x7F7F}
 
 
 def test_tiny_subnormals_histogram_against_frexp():
@@ -247,16 +289,15 @@ def test_large_chunks_counted_on_two_threads_agree_with_the_general_path(monkeyp
     n = (1 << 21) + 5
     x = torch.randn(n, generator=g) * torch.exp2(torch.empty(n).uniform_(-30, 20, generator=g))
     fmts = tuple(get_format(f) for f in ("fp16", "bf16", "fp8_e4m3"))
-    monkeypatch.setattr(_bitkeys, "_POOL", {})
+    monkeypatch.setattr(_bitkeys, "_BINCOUNT_WORKERS", {})
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         fast = cs.segment_stats(x, [n], fmts)
     finally:
         torch.set_num_threads(before)
-    assert list(_bitkeys._POOL) == [os.getpid()]  # the worker thread took part
-    assert fast == cs._expand(cs._bucketize_counts(x, [n], fmts))
-
+    assert list(_bitkeys._BINCOUNT_WORKERS) == [os.getpid()]  # the worker thread took part
+    assert fast == cs.per_segment(cs.bucketize_counts(x, [n], fmts))
 
 
 def test_long_segments_counted_alone_between_runs_of_short_ones(monkeypatch):
@@ -266,13 +307,13 @@ def test_long_segments_counted_alone_between_runs_of_short_ones(monkeypatch):
     from ampnb.instruments import coverage_stats as cs
     x = _awkward_float32()
     fmts = tuple(get_format(f) for f in FORMATS)
-    monkeypatch.setattr(_bitkeys, "_ALONE", 500)
-    monkeypatch.setattr(_bitkeys, "_CHUNK", 1200)
+    monkeypatch.setattr(_bitkeys, "ALONE", 500)
+    monkeypatch.setattr(_bitkeys, "CHUNK", 1200)
     lens = [3, 600, 10, 0, 2000, 1, 1, 700]
     lens[3] = 5
     lens.append(x.numel() - sum(lens))
     fast = cs.segment_stats(x, lens, fmts)
-    general = cs._expand(cs._bucketize_counts(x, lens, fmts))
+    general = cs.per_segment(cs.bucketize_counts(x, lens, fmts))
     assert [h for _, h in fast] == [h for _, h in general]
     for (cf, _), (cg, _) in zip(fast, general):
         for k in cf:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -13,8 +14,29 @@ from ampnb.formats import FloatFormat
 # the end bins.
 EXP_MIN, EXP_MAX = -150, 128
 EXP_BINS: tuple[int, ...] = tuple(range(EXP_MIN, EXP_MAX + 1))
+HISTOGRAM_EDGES = tuple(math.ldexp(1.0, k) for k in EXP_BINS[1:-1])  # the interior edges
 
 FormatLike = str | torch.dtype | FloatFormat
+
+
+class Levels(NamedTuple):
+    """The three levels every count table carries besides the formats' cut points."""
+
+    zero: float     # how many |x| >= 0: every element but NaN
+    tiniest: float  # ... >= float32's smallest subnormal: the nonzero ones
+    inf: float      # ... >= inf: the infinite ones
+
+
+SHARED_LEVELS = Levels(0.0, math.ldexp(1.0, -149), math.inf)
+INF_BITS = 0x7F800000  # bits of float32 inf; NaNs lie above
+
+
+class CutPoints(NamedTuple):
+    """Where a format's rounding changes category, as values of the work dtype."""
+
+    past_underflow: float  # smallest |x| that does not round to zero
+    normal: float          # smallest |x| that rounds to a normal number
+    overflow: float        # smallest |x| that rounds past the format's max
 
 
 def _snap(t: float, fmt: FloatFormat, up: bool) -> float:
@@ -36,8 +58,8 @@ def _next_up(v: float, fmt: FloatFormat) -> float:
     return math.inf if nxt > fmt.max else nxt
 
 
-def _cut_points(f: FloatFormat, work: FloatFormat) -> tuple[float, float, float]:
-    """Smallest values (of the work dtype) past underflow, at normal, and at overflow."""
+def cut_points(f: FloatFormat, work: FloatFormat) -> CutPoints:
+    """Format f's cut points as values of the work dtype, so comparisons there are exact."""
     past_underflow = _next_up(_snap(f.underflow_threshold, work, up=False), work)
     normal = _snap(f.normal_threshold, work, up=True)
     ot = f.overflow_threshold
@@ -45,9 +67,4 @@ def _cut_points(f: FloatFormat, work: FloatFormat) -> tuple[float, float, float]
         over = _snap(ot, work, up=True)
     else:
         over = _next_up(_snap(ot, work, up=False), work)
-    return past_underflow, normal, over
-
-
-_EDGES = tuple(math.ldexp(1.0, k) for k in EXP_BINS[1:-1])  # interior histogram edges
-_SHARED = (0.0, math.ldexp(1.0, -149), math.inf)  # >= these: not NaN, nonzero, nonfinite
-_INF_BITS = 0x7F800000  # bits of float32 inf; NaNs lie above
+    return CutPoints(past_underflow, normal, over)

@@ -7,24 +7,27 @@ import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ampnb.display import Table, TableView, format_percent
 from ampnb.formats import FloatFormat, get_format
 
-# EXP_* and _cut_points are imported from here by plots, benchmarks and tests.
+# EXP_* and cut_points are imported from here by plots, benchmarks and tests.
 from ampnb.instruments._bins import (  # noqa: F401
-    _EDGES,
-    _INF_BITS,
-    _SHARED,
     EXP_BINS,
     EXP_MAX,
     EXP_MIN,
+    HISTOGRAM_EDGES,
+    INF_BITS,
+    SHARED_LEVELS,
     FormatLike,
-    _cut_points,
+    Levels,
+    cut_points,
 )
-from ampnb.instruments._bitkeys import _plan, count_segments
+from ampnb.instruments._bitkeys import count_segments
+from ampnb.instruments._keyplan import key_plan
 
 
 @dataclass(frozen=True, repr=False)
@@ -92,15 +95,24 @@ def _as_float_tensor(x: object, what: str = "coverage") -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+class FormatColumns(NamedTuple):
+    """Where one format's counts lie in a SegmentCounts row: columns of its three cut points."""
+
+    name: str
+    past_underflow: int
+    normal: int
+    overflow: int
+
+
 @dataclass(frozen=True, eq=False)
 class SegmentCounts:
     """Counts of every segment of a flat tensor against some formats, from one table made in a
     few torch calls for all segments. A segment's Coverage objects and histogram are built
     when first read: capture keeps one per record, and most are never looked at one by one."""
 
-    formats: tuple[tuple[str, int, int, int], ...]  # per format: name, cols of its three cuts
-    shared: tuple[int, int, int]  # cols of how many |x| >= 0, float32's tiniest value, inf
-    head: int                     # the histogram's bins start at this col
+    formats: tuple[FormatColumns, ...]
+    shared: Levels                # columns of how many |x| >= each shared level
+    first_bin: int                # the histogram's bins start at this column
     lengths: tuple[int, ...]
     amax: list[float]             # per segment
     min_nonzero: list[float]
@@ -114,23 +126,25 @@ class SegmentCounts:
     def coverages(self, i: int) -> dict[str, Coverage]:
         """Segment i's Coverage in every format, by format name."""
         row, n = self._rows[i], self.lengths[i]
-        g0, gtiny, ginf = (row[j] for j in self.shared)
+        ge_zero, ge_tiniest, ge_inf = (row[j] for j in self.shared)
         amax, min_nz = self.amax[i], self.min_nonzero[i]
-        return {name: _from_counts(name, n, row[pu], row[pn], row[po], g0, gtiny, ginf, amax,
-                                   min_nz) for name, pu, pn, po in self.formats}
+        return {name: _from_counts(name, n, row[under], row[normal], row[over], ge_zero,
+                                   ge_tiniest, ge_inf, amax, min_nz)
+                for name, under, normal, over in self.formats}
 
     def histogram(self, i: int) -> tuple[int, ...]:
         """Segment i's counts over EXP_BINS."""
-        return tuple(self._rows[i][self.head:])
+        return tuple(self._rows[i][self.first_bin:])
 
 
 def segment_stats(flat: torch.Tensor, lengths: Sequence[int], formats: Iterable[FormatLike],
                   absolute: bool = False) -> list[tuple[dict[str, Coverage], list[int]]]:
     """Coverage in every format and the exponent histogram of each segment of a flat tensor."""
-    return _expand(segment_counts(flat.split(list(lengths)), formats, absolute))
+    return per_segment(segment_counts(flat.split(list(lengths)), formats, absolute))
 
 
-def _expand(c: SegmentCounts) -> list[tuple[dict[str, Coverage], list[int]]]:
+def per_segment(c: SegmentCounts) -> list[tuple[dict[str, Coverage], list[int]]]:
+    """(Coverage by format, histogram) of every segment of c."""
     return [(c.coverages(i), list(c.histogram(i))) for i in range(len(c.lengths))]
 
 
@@ -140,80 +154,94 @@ def segment_counts(parts: Sequence[torch.Tensor], formats: Iterable[FormatLike],
 
     Every count is "how many |x| >= b". For float32 they come from the bit pattern: a 16-bit
     key per element, one bincount, on the tensors' own device (see _bitkeys); only small
-    count tables come back to the host. float64 takes a bucketize. absolute: the parts hold
-    |x| already (sign bits clear, as capture stages them), which saves a pass.
+    count tables come back to the host. float64 (and empty parts) take bucketize_counts.
+    absolute: the parts hold |x| already (sign bits clear, as capture stages them), which
+    saves a pass.
     """
     fmts = tuple(get_format(f) for f in formats)
     lengths = [p.numel() for p in parts]
     if parts[0].dtype != torch.float32 or not all(lengths):
-        return _bucketize_counts(torch.cat(parts) if len(parts) > 1 else parts[0], lengths, fmts)
-    plan = _plan(fmts)
-    table, shared, ext = count_segments(parts, plan, absolute)
-    # The extremes' bits as floats in one conversion (a float32 value is exact as a double);
-    # no finite (nonzero) element: nan. (Bits past inf's, or -1, mean "none": unused.)
-    m = len(ext)
-    bits = struct.unpack(f"<{m}f", struct.pack(f"<{m}i", *[min(max(e, -1), _INF_BITS) for e in ext]))
-    g0, gtiny, ginf = shared
-    amax = [bits[2 * i] if a > c else math.nan for i, (a, c) in enumerate(zip(g0, ginf))]
-    min_nz = [bits[2 * i + 1] if b > c else math.nan
-              for i, (b, c) in enumerate(zip(gtiny, ginf))]
-    return SegmentCounts(*_columns(fmts), plan.head, tuple(lengths), amax, min_nz, table)
+        return bucketize_counts(torch.cat(parts) if len(parts) > 1 else parts[0], lengths, fmts)
+    counts = count_segments(parts, key_plan(fmts), absolute)
+    n = len(lengths)
+    extremes = _floats_of_bits(counts.amax_bits + counts.min_nonzero_bits)
+    # nan where a segment has no finite (nonzero) element: its bits then mean nothing
+    shared = counts.shared
+    amax = [v if ge_zero > ge_inf else math.nan
+            for v, ge_zero, ge_inf in zip(extremes[:n], shared.zero, shared.inf)]
+    min_nz = [v if ge_tiniest > ge_inf else math.nan
+              for v, ge_tiniest, ge_inf in zip(extremes[n:], shared.tiniest, shared.inf)]
+    return SegmentCounts(*_columns(fmts), tuple(lengths), amax, min_nz, counts.table)
+
+
+def _floats_of_bits(bits: list[int]) -> tuple[float, ...]:
+    """float32 bit patterns as floats in one conversion (exact as doubles); values out of
+    range (past inf's bits, or -1: "none") are clamped and then ignored by the caller."""
+    n = len(bits)
+    return struct.unpack(f"<{n}f", struct.pack(f"<{n}i", *[min(max(b, -1), INF_BITS)
+                                                            for b in bits]))
 
 
 @functools.lru_cache(maxsize=64)
-def _columns(fmts: tuple[FloatFormat, ...]) -> tuple[tuple, tuple[int, int, int]]:
-    """SegmentCounts' formats and shared columns for the bit-key plan of these formats."""
-    plan = _plan(fmts)
-    at = {v: i for i, v in enumerate(plan.values[:plan.head])}
-    return (tuple((f.name, at[pu], at[pn], at[po]) for f, (pu, pn, po) in zip(fmts, plan.cuts)),
-            tuple(at[v] for v in _SHARED))
+def _columns(fmts: tuple[FloatFormat, ...]) -> tuple[tuple[FormatColumns, ...], Levels, int]:
+    """SegmentCounts' format columns, shared columns and first bin for these formats."""
+    plan = key_plan(fmts)
+    at = {v: i for i, v in enumerate(plan.levels[:plan.head_levels])}
+    return (tuple(FormatColumns(f.name, *(at[c] for c in cuts))
+                  for f, cuts in zip(fmts, plan.cuts)),
+            Levels(*(at[v] for v in SHARED_LEVELS)), plan.head_levels)
 
 
-def _from_counts(name: str, n: int, gu: int, gn: int, go: int, g0: int, gtiny: int,
-                 ginf: int, amax: float, min_nz: float) -> Coverage:
-    """One format's Coverage from counts of |x| >= b: at its cuts (past underflow gu, normal gn,
-    overflow go) and at 0, float32's tiniest value and inf. Positional: this runs for every
-    format of every captured tensor."""
-    return _coverage(name, n, go - ginf, gtiny - gu, gu - gn, gn - go, g0 - gtiny,
-                     n - g0 + ginf, amax, min_nz)
+def _from_counts(name: str, n: int, ge_past_underflow: int, ge_normal: int, ge_overflow: int,
+                 ge_zero: int, ge_tiniest: int, ge_inf: int, amax: float, min_nz: float
+                 ) -> Coverage:
+    """One format's Coverage from counts of |x| >= each level (ge_*): its cut points, and the
+    shared levels 0, float32's tiniest value and inf. Positional: this runs for every format
+    of every captured tensor."""
+    return _coverage(name, n, ge_overflow - ge_inf, ge_tiniest - ge_past_underflow,
+                     ge_past_underflow - ge_normal, ge_normal - ge_overflow, ge_zero - ge_tiniest,
+                     n - ge_zero + ge_inf, amax, min_nz)
 
 
-def _bucketize_counts(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[FloatFormat]
-                      ) -> SegmentCounts:
-    """The general path: one bucketize against every boundary, then one bincount."""
+def bucketize_counts(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[FloatFormat]
+                     ) -> SegmentCounts:
+    """The simple path, and the oracle the bit-key path is tested against: one bucketize of
+    |x| against every level, then one bincount per segment (any dtype; float64 uses it)."""
     work = get_format(flat.dtype)
-    shared = (0.0, work.smallest_subnormal, math.inf)
-    cuts = [_cut_points(f, work) for f in fmts]
-    bnd = sorted({*shared, *(c for cs in cuts for c in cs), *_EDGES})
+    shared = Levels(0.0, work.smallest_subnormal, math.inf)
+    cuts = [cut_points(f, work) for f in fmts]
+    levels = sorted({*shared, *(c for cs in cuts for c in cs), *HISTOGRAM_EDGES})
     a = flat.abs()
-    codes = torch.bucketize(a, torch.tensor(bnd, dtype=a.dtype, device=a.device), right=True,
-                            out_int32=True)  # how many boundaries are <= |x|
+    codes = torch.bucketize(a, torch.tensor(levels, dtype=a.dtype, device=a.device),
+                            right=True, out_int32=True)  # how many levels are <= |x|
     codes.masked_fill_(torch.isnan(a), 0)  # NaN is >= nothing
-    width, nseg = len(bnd) + 1, len(lengths)
+    width, n_seg = len(levels) + 1, len(lengths)
     finite = a <= work.max
-    seg = torch.repeat_interleave(torch.arange(nseg, device=a.device),
+    seg = torch.repeat_interleave(torch.arange(n_seg, device=a.device),
                                   torch.tensor(lengths, device=a.device))
-    table = torch.bincount(seg * width + codes, minlength=nseg * width).view(nseg, width)
-    ext = torch.stack([
-        a.new_zeros(nseg).scatter_reduce(0, seg, torch.where(finite, a, 0), "amax"),
-        a.new_full((nseg,), math.inf).scatter_reduce(
+    table = torch.bincount(seg * width + codes, minlength=n_seg * width).view(n_seg, width)
+    extremes = torch.stack([
+        a.new_zeros(n_seg).scatter_reduce(0, seg, torch.where(finite, a, 0), "amax"),
+        a.new_full((n_seg,), math.inf).scatter_reduce(
             0, seg, torch.where(finite & (a > 0), a, math.inf), "amin")], dim=1)
-    # ge[:, j] = how many |x| >= bnd[j]; one transfer for counts and extremes together.
+    # ge[:, j] = how many |x| >= levels[j]; one transfer for counts and extremes together.
     ge = table.flip(1).cumsum(1).flip(1)[:, 1:]
-    rows = torch.cat([ge.double(), ext.double()], dim=1).tolist()
-    col = {b: j for j, b in enumerate(bnd)}
-    head = len(bnd)
+    rows = torch.cat([ge.double(), extremes.double()], dim=1).tolist()
+    col = {v: j for j, v in enumerate(levels)}
+    first_bin = len(levels)
     out, amax, min_nz = [], [], []
     for row in rows:
-        g = [int(v) for v in row[:head]]
-        g0, gtiny, ginf = (g[col[b]] for b in shared)
-        levels = [gtiny, *(g[col[e]] for e in _EDGES), ginf]
-        out.append(g + [levels[j] - levels[j + 1] for j in range(len(levels) - 1)])
-        amax.append(row[-2] if g0 > ginf else math.nan)
-        min_nz.append(row[-1] if gtiny > ginf else math.nan)
-    return SegmentCounts(tuple((f.name, col[pu], col[pn], col[po])
-                               for f, (pu, pn, po) in zip(fmts, cuts)),
-                         tuple(col[b] for b in shared), head, tuple(lengths), amax, min_nz, out)
+        counts = [int(v) for v in row[:first_bin]]
+        ge_zero, ge_tiniest, ge_inf = (counts[col[v]] for v in shared)
+        # a bin's count = how many >= its lower edge - how many >= its upper edge
+        edges = [ge_tiniest, *(counts[col[e]] for e in HISTOGRAM_EDGES), ge_inf]
+        out.append(counts + [edges[j] - edges[j + 1] for j in range(len(edges) - 1)])
+        amax.append(row[-2] if ge_zero > ge_inf else math.nan)
+        min_nz.append(row[-1] if ge_tiniest > ge_inf else math.nan)
+    return SegmentCounts(tuple(FormatColumns(f.name, *(col[c] for c in cs))
+                               for f, cs in zip(fmts, cuts)),
+                         Levels(*(col[v] for v in shared)), first_bin, tuple(lengths), amax,
+                         min_nz, out)
 
 
 def coverage_many(x: torch.Tensor, formats: Iterable[FormatLike]) -> dict[str, Coverage]:

@@ -16,11 +16,11 @@ from ampnb.formats import get_format
 from ampnb.instruments.summaries import (
     DEFAULT_FORMATS,
     KINDS,
+    Staged,
     TensorStats,
-    _copy,
-    _Seen,
-    _stage,
-    _stage_many,
+    exact_copy,
+    stage,
+    stage_many,
     summarize_many,
 )
 
@@ -64,23 +64,26 @@ class Capture(TableView, Guard):
         self.model, self.keep, self.every = model, keep, every
         self.forwards = 0  # forward calls of the model seen inside the block
         self._stats: dict[tuple[str, str], TensorStats | None] = {}  # None: not summarized yet
-        self._pending: dict[tuple[str, str], _Seen] = {}
+        self._pending: dict[tuple[str, str], Staged] = {}  # staged, not summarized yet
         self._handles: list[torch.utils.hooks.RemovableHandle] = []  # live until exit
         self._armed: list[torch.utils.hooks.RemovableHandle] = []  # only while capturing
-        self._copies: dict[int, tuple[weakref.ref, int, _Seen]] = {}
+        # per id of a tensor seen in this forward call: (the tensor, its version, its Staged)
+        self._copies: dict[int, tuple[weakref.ref, int, Staged]] = {}
         self._targets: list[tuple[str, nn.Module, list[tuple[str, torch.Tensor]]]] = []
         self._grads: list[tuple[torch.Tensor, str, str]] = []  # accumulated, not staged yet
         self._grads_task = -1  # the backward whose end stages them
 
     def _wanted(self, path: str) -> bool:
+        """Whether a module path matches one of the module patterns."""
         return any(fnmatch.fnmatchcase(path, p) for p in self.patterns)
 
     def _record(self, x: torch.Tensor, name: str, kind: str, module: str,
-                flat: torch.Tensor | None = None) -> None:
+                flat_abs: torch.Tensor | None = None) -> None:
+        """Stage one tensor a hook sees (flat_abs: |x| staged already)."""
         # Only |x| is staged here (weights too: an optimizer step may change them in place);
-        # summaries wait for exit (or the first look) and are then computed for all tensors
-        # together, in one pass, which costs far less than one call per tensor. This runs for
-        # every tensor every hook sees: it is kept to a few calls. flat: |x| staged already.
+        # summaries wait for the first look and are then computed for all tensors together,
+        # which costs far less than one call per tensor. This runs for every tensor every
+        # hook sees: it is kept to a few calls.
         key = (name, kind)
         old = self._pending.get(key) or self._stats.get(key)
         if old is None:
@@ -88,36 +91,39 @@ class Capture(TableView, Guard):
             self._stats[key] = None  # (the order records first appear in)
         else:
             calls = old.calls + 1
-        if flat is not None:
-            self._pending[key] = _Seen(flat, tuple(x.shape), x.dtype, name, kind, module, calls,
-                                       _copy(x) if self.keep else None)
+        if flat_abs is not None:
+            self._pending[key] = Staged(flat_abs, tuple(x.shape), x.dtype, name, kind, module,
+                                        calls, exact_copy(x) if self.keep else None)
             return
         # One private copy per tensor object and version: a container's output is usually
         # its last child's output, and is then staged (and later summarized) once.
         seen = self._copies.get(id(x))
         if seen is not None and seen[0]() is x and seen[1] == x._version:
-            s = seen[2]
-            self._pending[key] = _Seen(s.flat, s.shape, s.dtype, name, kind, module, calls,
-                                       s.tensor)
+            earlier = seen[2]
+            self._pending[key] = Staged(earlier.flat_abs, earlier.shape, earlier.dtype, name,
+                                        kind, module, calls, earlier.tensor)
         else:
-            s = self._pending[key] = _Seen(_stage(x), tuple(x.shape), x.dtype, name, kind,
-                                           module, calls, _copy(x) if self.keep else None)
-            self._copies[id(x)] = (weakref.ref(x), x._version, s)
+            staged = self._pending[key] = Staged(
+                stage(x), tuple(x.shape), x.dtype, name, kind, module, calls,
+                exact_copy(x) if self.keep else None)
+            self._copies[id(x)] = (weakref.ref(x), x._version, staged)
 
     def _record_many(self, found: list[tuple[torch.Tensor, str, str]], kind: str) -> None:
         """_record of many (tensor, name, module) at once, staged together."""
-        for (x, name, module), flat in zip(found, _stage_many([x for x, _, _ in found])):
-            self._record(x, name, kind, module, flat)
+        for (x, name, module), flat_abs in zip(found, stage_many([x for x, _, _ in found])):
+            self._record(x, name, kind, module, flat_abs)
 
     def _flush(self) -> None:
+        """Summarize every staged tensor (at the first look after new ones)."""
         self._copies.clear()
         self._stage_grads()  # a backward that raised never reached its end
         if self._pending:
             pending, self._pending = self._pending, {}
-            for key, s in zip(pending, summarize_many(pending.values(), self.formats)):
-                self._stats[key] = s
+            for key, stats in zip(pending, summarize_many(pending.values(), self.formats)):
+                self._stats[key] = stats
 
     def _forward_hook(self, path: str):
+        """The forward hook of the module at path: stages its floating-point outputs."""
         # Decided once per module, not per call: this runs for every module of every step.
         base, record = path or "(output)", self._record
         acts, grads = "activation" in self.kinds, "activation_gradient" in self.kinds
@@ -133,6 +139,7 @@ class Capture(TableView, Guard):
         return hook
 
     def _grad_hook(self, name: str, path: str):
+        """The post-accumulate-grad hook of one parameter: queues its gradient for staging."""
         def hook(p: torch.Tensor) -> None:
             g = p.grad
             if g is not None:
@@ -165,11 +172,13 @@ class Capture(TableView, Guard):
         self._arm()
 
     def _record_weights(self) -> None:
+        """Stage every floating-point parameter of the hooked modules, all together."""
         self._record_many([(p, full, path) for path, _, params in self._targets
                            for full, p in params if p.is_floating_point() and p.numel()],
                           "weight")
 
     def _arm(self) -> None:
+        """Hook the modules and parameters for one captured forward call and its backward."""
         if self._armed:
             return
         acts = "activation" in self.kinds or "activation_gradient" in self.kinds
@@ -181,6 +190,7 @@ class Capture(TableView, Guard):
                                    for full, p in params if p.requires_grad)
 
     def _disarm(self) -> None:
+        """Remove the per-call hooks (the root pre-hook stays)."""
         for h in self._armed:
             h.remove()
         self._armed.clear()
