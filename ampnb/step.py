@@ -71,42 +71,59 @@ def all_of(contexts: Iterable[contextlib.AbstractContextManager]) -> Guard:
 # ----- backward outside autocast, no stale autocast cache --------------------------------------
 
 
-class _Engine:
-    """autograd's engine with `run_backward` run under autocast off (what torch's recipe asks).
-
-    Tensor.backward, torch.autograd.backward and torch.autograd.grad all reach the engine
-    through `Variable._execution_engine.run_backward`: one place covers every spelling.
-    """
-
-    def __init__(self, engine: Any, thread: int) -> None:
-        self._engine, self._thread = engine, thread
-
-    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # noqa: F841 - IPython shows the user's frames only
-        if threading.get_ident() != self._thread:
-            return self._engine.run_backward(*args, **kwargs)
+def _autocast_off_backward(run_backward: Callable[..., Any], thread: int) -> Callable[..., Any]:
+    """autograd's engine call, run with autocast off in `thread` (what torch's recipe asks)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841 - IPython shows the user's frames, not this one
+        if threading.get_ident() != thread:
+            return run_backward(*args, **kwargs)
         on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
         if not on:
-            return self._engine.run_backward(*args, **kwargs)
+            return run_backward(*args, **kwargs)
         with contextlib.ExitStack() as stack:
             for d in on:
                 stack.enter_context(torch.autocast(d, enabled=False))
-            out = self._engine.run_backward(*args, **kwargs)
+            out = run_backward(*args, **kwargs)
         torch.clear_autocast_cache()  # the update that follows makes cached copies stale
         return out
+
+    return run
+
+
+class _Engine:
+    """torch < 2.4: the engine object, its run_backward wrapped (the rest as it is)."""
+
+    def __init__(self, engine: Any, thread: int) -> None:
+        self._engine = engine
+        self.run_backward = _autocast_off_backward(engine.run_backward, thread)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
 
+# Tensor.backward, torch.autograd.backward and torch.autograd.grad all reach autograd's engine
+# through torch.autograd._engine_run_backward (torch >= 2.4; before, the engine object): one
+# place covers every spelling. Wrapped in the middle of the stack, the wrapper's frame is one
+# IPython hides; the engine's own frame stays the last one shown.
+_NEW_ENGINE_CALL = hasattr(torch.autograd, "_engine_run_backward")
+
+
 def _engine_in() -> Any:
-    previous = Variable._execution_engine
-    Variable._execution_engine = _Engine(previous, threading.get_ident())
+    thread = threading.get_ident()
+    if _NEW_ENGINE_CALL:
+        previous = torch.autograd._engine_run_backward
+        torch.autograd._engine_run_backward = _autocast_off_backward(previous, thread)
+    else:
+        previous = Variable._execution_engine
+        Variable._execution_engine = _Engine(previous, thread)
     return previous
 
 
 def _engine_out(previous: Any) -> None:
-    Variable._execution_engine = previous
+    if _NEW_ENGINE_CALL:
+        torch.autograd._engine_run_backward = previous
+    else:
+        Variable._execution_engine = previous
 
 
 def backward_outside_autocast() -> Guard:

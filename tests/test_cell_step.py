@@ -140,8 +140,25 @@ def test_a_kept_module_is_fp32_in_forward_and_backward(ip):
 def test_the_cell_leaves_autocast_and_the_engine_as_they_were(ip):
     from torch.autograd.variable import Variable
 
-    engine = Variable._execution_engine
+    engine, call = Variable._execution_engine, getattr(torch.autograd, "_engine_run_backward", None)
     with pytest.raises(ZeroDivisionError):
         amp(ip, "bf16-mixed", "lin(x).sum().backward()\n1 / 0")
     assert Variable._execution_engine is engine
+    assert getattr(torch.autograd, "_engine_run_backward", None) is call
     assert not torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled()
+
+
+def test_an_error_in_backward_shows_no_ampnb_frame(ip):
+    """The user's traceback ends in torch's engine call, as in a plain cell."""
+    import re
+
+    from IPython.utils.capture import capture_output
+
+    ip.user_ns["t"] = torch.randn(3)  # needs no grad: backward raises inside the engine
+    with capture_output() as out:
+        ip.run_cell("%%amp bf16-mixed\ny = t * 2\ny.sum().backward()\n")
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr)
+    assert "does not require grad" in shown
+    assert "ampnb" not in shown.replace("%%amp", "")
+    for name in ("t", "y"):
+        ip.user_ns.pop(name, None)
