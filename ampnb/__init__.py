@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Workbench": "ampnb.workbench",
     "ScalerStepper": "ampnb.scaler",
     "compare": "ampnb.comparison",
-    "doctor": "ampnb.doctor",
+    "doctor": "ampnb.diagnosis",
     "keep_fp32": "ampnb.selective",
     "set_fp16_kernels": "ampnb.fp16_kernels",
     "emulated_fp16_kernels": "ampnb.fp16_kernels",

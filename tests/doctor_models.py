@@ -80,3 +80,23 @@ def data(n: int = 8, features: int = 16, classes: int = 4) -> tuple[torch.Tensor
 
 def sum_loss(out: torch.Tensor, targets: object) -> torch.Tensor:
     return out.float().sum()
+
+
+class Embedded(nn.Module):
+    """An embedding and a head: rows of the embedding the batch does not use get zero gradients."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+def token_data(n: int = 8, seq: int = 6, vocab: int = 16, classes: int = 4
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids from the first `vocab` rows only, and class targets."""
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, vocab, (n, seq), generator=g), torch.randint(0, classes, (n,), generator=g)

@@ -6,12 +6,22 @@ import math
 
 import pytest
 import torch
-from doctor_models import BackwardOverflow, ForwardOverflow, Plain, Sensitive, data, sum_loss
+from doctor_models import (
+    BackwardOverflow,
+    Embedded,
+    ForwardOverflow,
+    Plain,
+    Sensitive,
+    data,
+    sum_loss,
+    token_data,
+)
 from torch import nn
 
 import ampnb
-from ampnb.doctor.evidence import acceptable
-from ampnb.doctor.recommend import SPEEDUP_MIN
+from ampnb.diagnosis.evidence import acceptable
+from ampnb.diagnosis.recommend import SPEEDUP_MIN
+from ampnb.formats import get_format
 
 CE = nn.functional.cross_entropy
 FAST = dict(repeat=1, profile=False)
@@ -166,3 +176,29 @@ def test_vanishing_updates_match_bf16_rounding():
         lost += int(((u != 0) & ((w.float() + u).bfloat16() == w)).sum())
     assert r.mode("bf16-true").vanishing_updates == pytest.approx(lost / moved, abs=0.02)
     assert 0.1 < lost / moved  # the plant: lr 1e-4 loses many updates in bf16
+
+
+def test_a_step_that_turns_the_weights_nan_is_not_finite_and_its_cause_is_named():
+    """16-true + AdamW(eps=1e-8): eps is 0 in fp16, so unused embedding rows become 0/0 = NaN.
+
+    The loss and gradients are finite; only the weights after the step show it. The Workbench,
+    which checks the weights after its step, is the reference.
+    """
+    x, y = token_data()
+    model = Embedded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert float(torch.tensor(opt.defaults["eps"], dtype=torch.float16)) == 0  # the plant
+    other = Embedded()
+    wb = ampnb.Workbench(other, torch.optim.AdamW(other.parameters(), lr=1e-3), CE, [(x, y)])
+    wb.set(mode="16-true")
+    assert "emb.weight" in wb.step().nonfinite  # the reference sees NaN weights after the step
+    r = ampnb.doctor(model, (x, y), CE, optimizer=opt, modes=("32-true", "16-true"), **FAST)
+    row = r.mode("16-true")
+    assert math.isfinite(row.loss) and math.isfinite(row.grad_error)  # the step itself is finite
+    assert not row.finite and row.nonfinite_phase == "optimizer step"
+    cause = f"AdamW eps={opt.defaults['eps']!r} is 0 in {get_format(torch.float16).name}"
+    assert cause in row.nonfinite and "emb.weight" in row.nonfinite
+    assert r.recommended.mode != "16-true"
+    assert r.low_precision is None or r.low_precision.mode != "16-true"
+    assert any(cause in line for line in r.recommended.reasons)  # named among the rejected
+    assert "NO (optimizer step" in repr(r.table())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,15 +15,16 @@ from ampnb._interrupt import Guard
 from ampnb._kernels import drop_overrides, live_overrides
 from ampnb.batch import as_batch
 from ampnb.device import get_device, restore_tf32, tf32_state
-from ampnb.doctor.candidates import REFERENCE, Candidate, candidates
-from ampnb.doctor.code import code
-from ampnb.doctor.errors import compare, flat, rel
-from ampnb.doctor.evidence import ModeRow, mode_row, per_param, underflow
-from ampnb.doctor.layers import layer_rows, local_errors
-from ampnb.doctor.profile import Profile, profile_run
-from ampnb.doctor.recommend import ISLAND_MODES, Tolerance, choose, islands
-from ampnb.doctor.report import DoctorReport
-from ampnb.doctor.run import Setup, StepResult, measure, time_steps
+from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidates
+from ampnb.diagnosis.code import code
+from ampnb.diagnosis.errors import compare, flat, rel
+from ampnb.diagnosis.evidence import ModeRow, mode_row, per_param, underflow
+from ampnb.diagnosis.layers import layer_rows, local_errors
+from ampnb.diagnosis.profile import Profile, profile_run
+from ampnb.diagnosis.recommend import ISLAND_MODES, Tolerance, choose, islands
+from ampnb.diagnosis.report import DoctorReport
+from ampnb.diagnosis.run import Setup, StepResult, measure, time_steps
+from ampnb.diagnosis.start import started
 from ampnb.formats import get_format
 from ampnb.modes import get_mode
 
@@ -111,6 +113,21 @@ def _range_notes(ref: StepResult, cands: list[Candidate]) -> list[str]:
     return notes
 
 
+@dataclass(frozen=True, eq=False)
+class DoctorOptions:
+    """How the doctor runs: the optimizer to step (None: AdamW), device, modes, tolerance,
+    timed repeats, profiling, seed and a progress callback."""
+
+    optimizer: torch.optim.Optimizer | None = None
+    device: str | None = None
+    modes: Iterable[str] | str | None = None
+    tolerance: Any = None
+    repeat: int = 3
+    profile: bool = True
+    seed: int = 0
+    progress: Callable[[str], None] | None = None
+
+
 def doctor(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = None, *,
            optimizer: torch.optim.Optimizer | None = None, device: str | None = None,
            modes: Iterable[str] | str | None = None, tolerance: Any = None, repeat: int = 3,
@@ -119,28 +136,26 @@ def doctor(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = No
     """Run one step of the model in every candidate mode and recommend one, with evidence and code.
 
     The user's model, optimizer and torch's global state are left as they were: every run
-    works on a deep copy from the same state, batch and seed.
+    starts from one snapshot of them (and of the RNG), with the same batch and seed.
     """
-    return doctor_setup(model, optimizer, device, seed, modes, tolerance, repeat, profile,
-                        progress, batch=batch, loss_fn=loss_fn)
+    options = DoctorOptions(optimizer, device, modes, tolerance, repeat, profile, seed, progress)
+    return doctor_setup(model, options, batch=batch, loss_fn=loss_fn)
 
 
-def doctor_setup(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str | None,
-                 seed: int, modes: Any, tolerance: Any, repeat: int, profile: bool,
-                 progress: Callable[[str], None] | None, batch: Any = None,
+def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
                  loss_fn: Callable[..., Any] | None = None,
                  step: Callable[[nn.Module], Any] | None = None) -> DoctorReport:
     """The doctor on a batch, or on a step function net -> loss (what `%%amp --doctor` passes)."""
-    _check(model, optimizer, repeat)
-    tol = Tolerance.of(tolerance)
-    first = next(model.parameters())
-    dev = get_device(device or first.device).name
-    cands, skipped = candidates(modes, dev)
+    o = options
+    _check(model, o.optimizer, o.repeat)
+    tol = Tolerance.of(o.tolerance)
+    dev = get_device(o.device or next(model.parameters()).device).name
+    cands, skipped = candidates(o.modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
-    setup = Setup(model, optimizer, data, loss_fn, dev, seed, step)
-    say = progress or Progress()
-    with Guard(_save, _restore), torch.random.fork_rng(devices=[]):
-        return _diagnose(setup, cands, skipped, tol, repeat, profile, say)
+    say = o.progress or Progress()
+    with Guard(_save, _restore), started(model, o.optimizer) as start:
+        setup = Setup(start, data, loss_fn, dev, o.seed, step)
+        return _diagnose(setup, cands, skipped, tol, o.repeat, o.profile, say)
 
 
 def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tolerance,
@@ -160,7 +175,7 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
         if i:
             say(f"{cand.name} ({i + 1}/{n}): {cand.how}")
             try:
-                runs[cand.name] = measure(setup, cand)
+                runs[cand.name] = measure(setup, cand, ref=ref)
             except RuntimeError as e:  # e.g. a kernel this CPU lacks for the dtype
                 skipped.append(f"{cand.name}: could not run this model here "
                                f"({str(e).splitlines()[0][:100]})")
@@ -189,7 +204,7 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
 
         def rerun(keep: tuple[str, ...], cand: Candidate = cand) -> ModeRow:
             say(f"{cand.name} with {', '.join(keep)} kept in fp32: verifying")
-            run = measure(setup, cand, keep)
+            run = measure(setup, cand, keep, ref=ref)
             timed = None if cand.label == "emulated" else time_steps(
                 setup, cand, repeat, run.scale, keep, warmup=0)
             return mode_row(cand, run, ref, timed, ref_s, keep)

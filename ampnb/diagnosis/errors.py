@@ -63,3 +63,17 @@ def headroom(amax: float, fmt_max: float) -> float:
     if not amax or math.isnan(amax):
         return math.inf
     return math.log2(fmt_max / amax)
+
+
+def lost_updates(ref_before: dict[str, torch.Tensor], ref_after: dict[str, torch.Tensor],
+                 before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    """Share of the reference's nonzero weight updates whose weight this run left unchanged."""
+    lost = moved_total = 0
+    for n, w in ref_before.items():
+        if n not in before or n not in after or before[n].shape != w.shape or \
+                not w.is_floating_point():
+            continue
+        moved = ref_after[n] != w
+        lost += int((moved & (after[n] == before[n])).sum())
+        moved_total += int(moved.sum())
+    return lost / moved_total if moved_total else 0.0

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb.doctor.candidates import Candidate
-from ampnb.doctor.errors import compare, flat, rel
-from ampnb.doctor.run import StepResult
-from ampnb.formats import get_format
+from ampnb.diagnosis.candidates import Candidate
+from ampnb.diagnosis.errors import compare, flat, rel
+from ampnb.diagnosis.run import StepResult
 from ampnb.instruments.coverage_stats import coverage
 
 
@@ -39,7 +38,7 @@ class ModeRow:
     scale: float | None
     skipped: int
     first_overflow: str       # 16-mixed: what overflowed at the GradScaler's initial scale
-    vanishing_updates: float | None   # true modes: updates smaller than half an ulp of the weight
+    vanishing_updates: float | None   # true modes: share of 32-true's updates this step lost
 
     @property
     def label(self) -> str:
@@ -62,26 +61,6 @@ def per_param(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dic
             for n in ref if n in got and got[n].shape == ref[n].shape}
 
 
-def vanishing(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
-              dtype: torch.dtype) -> float:
-    """Fraction of the reference's nonzero weight updates smaller than half an ulp in dtype."""
-    fmt = get_format(dtype)
-    lost = total = 0
-    for n, w in before.items():
-        if n not in after or not w.is_floating_point():
-            continue
-        u = (after[n].double() - w.double()).reshape(-1)
-        w = w.double().reshape(-1)
-        _, e = torch.frexp(w)  # |w| = m * 2**e with 0.5 <= m < 1
-        ulp = torch.where(w == 0, torch.full_like(w, fmt.smallest_subnormal),
-                          torch.ldexp(torch.ones_like(w), e - 1 - fmt.mantissa_bits))
-        ulp = ulp.clamp(min=fmt.smallest_subnormal)
-        moved = u != 0
-        lost += int((moved & (u.abs() < ulp / 2)).sum())
-        total += int(moved.sum())
-    return lost / total if total else 0.0
-
-
 def underflow(grads: dict[str, torch.Tensor], scale: float) -> float:
     """Fraction of nonzero gradient values that round to zero in fp16 at a loss scale."""
     vals = flat(list(grads.values())).float() * scale
@@ -94,17 +73,16 @@ def mode_row(cand: Candidate, run: StepResult, ref: StepResult, times: list[floa
     """The evidence row of one run against the reference."""
     seconds = statistics.median(times) if times else None
     speedup = ref_seconds / seconds if seconds and ref_seconds else None
-    m = cand.mode
-    true_low = not m.is_mixed and m.param_dtype in (torch.float16, torch.bfloat16)
-    nf = run.nonfinite if not run.finite else None  # the hunter's site matters when it broke
+    # inf/NaN in the loss, forward or gradients: where the hunter found it; else in the weights
+    nf = run.nonfinite if not run.step_finite else None
+    message, module, phase = (nf.message, _module(nf.module), nf.phase) if nf else (
+        (run.weights_cause, "", "optimizer step") if run.bad_weights else ("", "", ""))
     first = run.first_overflow
     return ModeRow(
         cand.name, cand.how, cand.native, keep, seconds, speedup, run.param_bytes, run.grad_bytes,
         run.optimizer_bytes, run.saved_bytes, run.loss, rel(run.loss, ref.loss),
-        grad_error(run.grads, ref.grads), run.finite, nf.message if nf else "",
-        _module(nf.module) if nf else "", nf.phase if nf else "", run.scale, run.skipped,
-        first.message if first else "",
-        vanishing(ref.before, ref.after, m.param_dtype) if true_low and ref.before else None)
+        grad_error(run.grads, ref.grads), run.finite, message, module, phase, run.scale,
+        run.skipped, first.message if first else "", run.lost_updates)
 
 
 def _module(path: str) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,9 +10,9 @@ import torch
 from torch import nn
 
 from ampnb._tree import map_tensors
-from ampnb.doctor.candidates import Candidate
-from ampnb.doctor.errors import NOT_COMPARED, Err, compare, headroom
-from ampnb.doctor.run import Setup, StepResult, _first_floats
+from ampnb.diagnosis.candidates import Candidate
+from ampnb.diagnosis.errors import NOT_COMPARED, Err, compare, headroom
+from ampnb.diagnosis.run import Setup, StepResult, _first_floats
 from ampnb.formats import get_format
 
 # Modules whose output depends on the random state: re-running one alone draws other numbers.
@@ -44,13 +43,12 @@ def _run_alone(module: nn.Module, inputs: Any, cand: Candidate, setup: Setup) ->
 
 def local_errors(setup: Setup, ref: StepResult, cands: list[Candidate]) -> dict[str, dict[str, Err]]:
     """Each leaf module run alone in each candidate on the reference's fp32 inputs, vs fp32."""
-    base = copy.deepcopy(setup.model).to(setup.device)
-    mods = dict(base.named_modules())
+    mods = dict(setup.start.model_copy(cands[0].mode, setup.device).named_modules())
     alone = {name: _run_alone(mods[name], map_tensors(torch.clone, inp), cands[0], setup)
              for name, inp in ref.inputs.items() if not isinstance(mods[name], RANDOM)}
     found: dict[str, dict[str, Err]] = {name: {} for name in alone}
     for cand in cands[1:]:
-        net = cand.mode.convert_module(copy.deepcopy(base))
+        net = setup.start.model_copy(cand.mode, setup.device)
         converted = dict(net.named_modules())
         for name, want in alone.items():
             if want is None or name not in converted:

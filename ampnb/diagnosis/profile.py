@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ampnb.diagnosis.candidates import Candidate
+from ampnb.diagnosis.run import Setup, _copy, _scaler, _step
 from ampnb.display import Table, TableView, format_percent, format_seconds
-from ampnb.doctor.candidates import Candidate
-from ampnb.doctor.run import Setup, _backward, _copy
 
 CASTS = frozenset({"aten::to", "aten::_to_copy", "aten::copy_"})
 MATMULS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution",
@@ -80,13 +80,12 @@ def profile_run(setup: Setup, cand: Candidate, scale: float | None = None, top: 
     net, opt = _copy(setup, cand)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                      if torch.device(setup.device).type == "cuda" else [])
+    scaler = _scaler(cand, setup.device, scale)
     with cand.context(setup.device):
         if warmup:
-            _backward(net, setup, cand, scale)
-            opt.zero_grad(set_to_none=True)
+            _step(net, opt, setup, cand, scaler)
         with profile(activities=acts, record_shapes=True) as prof:
-            _backward(net, setup, cand, scale)
-            opt.step()
+            _step(net, opt, setup, cand, scaler)
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     self_s = {id(e): e.self_cpu_time_total * 1e-6 for e in events}
     by_dtype: dict[str, float] = defaultdict(float)

@@ -7,9 +7,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ampnb.diagnosis.evidence import ModeRow, acceptable
+from ampnb.diagnosis.layers import LayerRow
 from ampnb.display import format_bytes
-from ampnb.doctor.evidence import ModeRow, acceptable
-from ampnb.doctor.layers import LayerRow
 
 SPEEDUP_MIN = 1.1   # below this a measured speedup is within a shared machine's noise
 ISLAND_MODES = {"bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16", "16-true": "fp16"}

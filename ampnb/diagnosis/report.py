@@ -7,11 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ampnb.diagnosis.evidence import ModeRow
+from ampnb.diagnosis.layers import LayerRow
+from ampnb.diagnosis.profile import Profile
+from ampnb.diagnosis.recommend import Recommendation, Tolerance
 from ampnb.display import Table, format_bytes, format_percent, format_seconds
-from ampnb.doctor.evidence import ModeRow
-from ampnb.doctor.layers import LayerRow
-from ampnb.doctor.profile import Profile
-from ampnb.doctor.recommend import Recommendation, Tolerance
 
 
 def _err(x: float) -> str:
@@ -63,7 +63,7 @@ class DoctorReport:
         rows = [(r.label, r.how.split(";")[0], format_seconds(r.seconds),
                  "-" if r.speedup is None else f"{r.speedup:.2f}x", format_bytes(r.memory_bytes),
                  format_bytes(r.saved_bytes), _err(r.loss_error), _err(r.grad_error),
-                 "yes" if r.finite else f"NO ({r.nonfinite_phase} {r.nonfinite_module})".strip(),
+                 "yes" if r.finite else f"NO ({' '.join(filter(None, (r.nonfinite_phase, r.nonfinite_module)))})",
                  "-" if r.scale is None else f"2^{math.log2(r.scale):.0f}" + (
                      f" ({r.skipped} skipped)" if r.skipped else ""),
                  "-" if r.vanishing_updates is None else format_percent(r.vanishing_updates))

@@ -1,9 +1,9 @@
-"""One training step of a candidate on a deep copy, from the same state, batch and seed."""
+"""One training step of a candidate (`ampnb.step`'s), on a fresh copy from the doctor's snapshot."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -14,26 +14,38 @@ import torch
 from torch import nn
 
 from ampnb._tree import map_tensors, tensors
-from ampnb.batch import Batch, step_loss
+from ampnb.apex import master_of
+from ampnb.batch import Batch
 from ampnb.device import sync
-from ampnb.doctor.candidates import Candidate
+from ampnb.diagnosis.candidates import Candidate
+from ampnb.diagnosis.errors import lost_updates
+from ampnb.diagnosis.start import Start, seed
+from ampnb.formats import get_format
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
+from ampnb.modes import PrecisionMode
+from ampnb.step import StepOutcome, train_step
+from ampnb.workbench.state import nonfinite_params
 
 MIN_SCALE = 2.0**-8  # a loss scale below this means the gradients overflow whatever the scale
 
 
 @dataclass(frozen=True, eq=False)
 class Setup:
-    """What every run starts from: the user's objects (never touched), the batch, the seed."""
+    """What every run starts from: the snapshot (the user's objects never touched), the batch,
+    the seed."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer | None
+    start: Start
     batch: Batch
     loss_fn: Callable[..., Any] | None
     device: str
     seed: int = 0
     step: Callable[[nn.Module], Any] | None = None  # a cell's code: net -> loss (batch unused)
+
+    @property
+    def model(self) -> nn.Module:
+        """The user's model (its structure and module names)."""
+        return self.start.model
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,7 +54,7 @@ class StepResult:
 
     name: str
     loss: float
-    grads: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]             # unscaled, as the optimizer got them
     outputs: dict[str, torch.Tensor]           # module path -> its outputs, flattened (fp32)
     amax: dict[str, float]                     # module path -> largest finite output magnitude
     nonfinite: NonFinite
@@ -57,9 +69,17 @@ class StepResult:
     before: dict[str, torch.Tensor] = field(default_factory=dict)  # weights before the step
     after: dict[str, torch.Tensor] = field(default_factory=dict)   # and after (reference only)
     seconds: float = math.nan                  # the instrumented step's wall time (rough)
+    bad_weights: tuple[str, ...] = ()          # parameters the optimizer step left inf/NaN
+    weights_cause: str = ""                    # why, when it is known
+    lost_updates: float | None = None          # share of 32-true's updates this step lost
 
     @property
     def finite(self) -> bool:
+        """No inf/NaN in the loss, the forward, the gradients, or the weights after the step."""
+        return self.step_finite and not self.bad_weights
+
+    @property
+    def step_finite(self) -> bool:
         """No inf/NaN in the loss, the forward, or the gradients the optimizer got."""
         return math.isfinite(self.loss) and _all_finite(self.grads)
 
@@ -77,43 +97,74 @@ def _nbytes(ts: Iterable[Any]) -> int:
 
 
 def _copy(setup: Setup, cand: Candidate) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A converted deep copy of the model and of its optimizer (state included)."""
-    with torch.random.fork_rng(devices=[]):
-        net, opt = copy.deepcopy((setup.model, setup.optimizer))
-    net = cand.mode.convert_module(net.to(setup.device))
+    """A fresh model in the candidate's mode and the user's optimizer over it."""
+    net, opt = setup.start.copy(cand.mode, setup.device)
     if setup.step is not None:  # code written for the fp32 model: cast its inputs as the mode does
         mode = cand.mode
         net.register_forward_pre_hook(lambda m, a, k: (mode.convert_input(a), mode.convert_input(k)),
                                       with_kwargs=True)
-    if opt is None:
-        opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
-    for p, state in opt.state.items():  # state made for fp32 weights follows the weights
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape:
-                state[k] = v.to(p.device, p.dtype if not cand.mode.is_mixed else v.dtype)
     return net, opt
 
 
-def _backward(net: nn.Module, setup: Setup, cand: Candidate, scale: float | None) -> float:
-    torch.manual_seed(setup.seed)  # the same dropout masks in every run
-    mode, dev = cand.mode, setup.device
-    batch = setup.batch.convert(mode.convert_input)
-    with mode.forward_context(dev):
-        if setup.step is not None:
-            loss = step_loss(setup.step(net), batch, None)
-        else:
-            loss = step_loss(batch.call(net), batch, setup.loss_fn)
-    (loss.float() * scale if scale else loss.float()).backward()
-    return float(loss.detach().float())
+def _scaler(cand: Candidate, device: str, scale: float | None) -> torch.amp.GradScaler | None:
+    """The mode's GradScaler (None without one), starting at `scale` when given."""
+    if scale is None or not cand.mode.uses_scaler:
+        return cand.mode.make_scaler(device)
+    return torch.amp.GradScaler(torch.device(device).type, init_scale=scale)
 
 
-def _grads(net: nn.Module, scale: float | None) -> dict[str, torch.Tensor]:
+def _grads(net: nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients the optimizer sees (an APEX master's, where there is one)."""
     found = {}
     for name, p in net.named_parameters():
-        if p.grad is not None:
-            g = p.grad.detach().clone()
-            found[name] = g / scale if scale else g
+        g = master_of(p).grad
+        if g is None:
+            g = p.grad
+        if g is not None:
+            found[name] = g.detach().clone()
     return found
+
+
+def _step(net: nn.Module, opt: torch.optim.Optimizer, setup: Setup, cand: Candidate,
+          scaler: torch.amp.GradScaler | None, grads: dict[str, torch.Tensor] | None = None
+          ) -> StepOutcome:
+    """The one step from the doctor's seed; `grads` gets the unscaled gradients it stepped with."""
+    seed(setup.seed, setup.device)  # the same dropout masks in every run
+    model = net if setup.step is None else functools.partial(setup.step, net)
+    read = None if grads is None else (lambda: grads.update(_grads(net)))
+    return train_step(cand.mode, model, opt, setup.batch, setup.loss_fn, device=setup.device,
+                      scaler=scaler, before_update=read)
+
+
+def _weights(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+def _narrow(mode: PrecisionMode) -> bool:
+    """Weights stored narrower than fp32, where an update can be lost to rounding."""
+    return not mode.is_mixed and mode.param_dtype.itemsize < 4
+
+
+def eps_causes(opt: torch.optim.Optimizer) -> list[str]:
+    """Optimizer groups whose eps rounds to 0 in their weights' dtype (0/0 = NaN where a
+    gradient entry is 0), e.g. 'AdamW eps=1e-08 is 0 in fp16'."""
+    found = []
+    for group in opt.param_groups:
+        eps = group.get("eps")
+        if not isinstance(eps, float) or eps <= 0:
+            continue
+        for dtype in dict.fromkeys(p.dtype for p in group["params"] if p.is_floating_point()):
+            if float(torch.tensor(eps, dtype=dtype)) == 0:
+                found.append(f"{type(opt).__name__} eps={eps!r} is 0 in {get_format(dtype).name}")
+    return list(dict.fromkeys(found))
+
+
+def _weights_cause(bad: tuple[str, ...], total: int, causes: list[str]) -> str:
+    where = f"the optimizer step left {len(bad)} of {total} parameters inf/NaN ({bad[0]}" + (
+        ", ...)" if len(bad) > 1 else ")")
+    if causes:
+        return f"{where}: {'; '.join(causes)}, so every zero gradient entry gives 0/0 = NaN"
+    return where
 
 
 def _first_floats(obj: Any) -> torch.Tensor | None:
@@ -167,94 +218,112 @@ def _keep(net: nn.Module, keep: tuple[str, ...]) -> contextlib.AbstractContextMa
     return keep_fp32(net, keep) if keep else contextlib.nullcontext()
 
 
-def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (),
-            reference: bool = False) -> StepResult:
-    """One instrumented step: outputs per module, first inf/NaN op, memory, loss, gradients."""
+def _left(net: nn.Module, opt: torch.optim.Optimizer, before: dict[str, torch.Tensor],
+          ref: StepResult | None) -> dict[str, Any]:
+    """What the step left in the weights: parameters inf/NaN (and why, when known) and the
+    share of 32-true's nonzero updates that left this mode's weight unchanged."""
+    bad = nonfinite_params(net, opt)
+    lost = None
+    if before and ref is not None and ref.before:
+        lost = lost_updates(ref.before, ref.after, before,
+                            {n: p.detach() for n, p in net.named_parameters()})
+    total = sum(1 for _ in net.parameters())
+    return dict(bad_weights=bad, lost_updates=lost,
+                weights_cause=_weights_cause(bad, total, eps_causes(opt)) if bad else "")
+
+
+def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference: bool = False,
+            ref: StepResult | None = None) -> StepResult:
+    """One instrumented step: outputs per module, first inf/NaN op, memory, loss, gradients,
+    and the weights it left (lost updates measured against `ref`, 32-true's result)."""
     net, opt = _copy(setup, cand)
     scaler = cand.mode.make_scaler(setup.device)
-    scale = float(scaler.get_scale()) if scaler is not None else None
-    before = {n: p.detach().clone() for n, p in net.named_parameters()} if reference else {}
+    before = _weights(net) if reference or (ref is not None and _narrow(cand.mode)) else {}
     rec = _Recorder(net, inputs=reference)
+    grads: dict[str, torch.Tensor] = {}
     t0 = time.perf_counter()
     try:
         with _keep(net, keep), cand.context(setup.device), MemoryMeter(setup.device) as meter:
-            loss = _backward(net, setup, cand, scale)
-            grads = _grads(net, scale)
-            opt.step()
+            out = _step(net, opt, setup, cand, scaler, grads)
         sync(setup.device)
     finally:
         rec.remove()
     seconds = time.perf_counter() - t0
-    # The hunter checks every op (slow), so it runs only to find where a broken step broke.
-    found = NonFinite(False) if math.isfinite(loss) and _all_finite(grads) else hunt(
-        setup, cand, keep, scale)
+    loss, scale = float(out.loss.float()), out.scale
+    left = _left(net, opt, before, ref)
+    step_ok = math.isfinite(loss) and _all_finite(grads)
+    # The hunter checks every op (slow), so it runs only to find where a broken step broke
+    # (and, for weights left inf/NaN, only when no known cause names it).
+    found = NonFinite(False)
+    unknown = left["bad_weights"] and not eps_causes(opt)
+    if not step_ok or unknown:
+        found = hunt(setup, cand, keep, scale)
+    if step_ok and unknown and found.op:
+        left["weights_cause"] += f": {found.message}"
     result = dict(name=cand.name, loss=loss, grads=grads, outputs=rec.outputs,
                   amax={k: _amax(v) for k, v in rec.outputs.items()}, nonfinite=found,
                   saved_bytes=meter.peak_bytes, param_bytes=_nbytes(net.parameters()),
                   grad_bytes=_nbytes(p.grad for p in net.parameters()),
                   optimizer_bytes=_nbytes(v for st in opt.state.values() for v in st.values()),
-                  scale=scale, inputs=rec.inputs, before=before,
-                  after={n: p.detach().clone() for n, p in net.named_parameters()} if reference
-                  else {}, seconds=seconds)
+                  scale=scale, inputs=rec.inputs, before=before if reference else {},
+                  after=_weights(net) if reference else {}, seconds=seconds, **left)
     if scale is not None and math.isfinite(loss) and not _all_finite(grads):
-        result.update(_rescale(setup, cand, keep, scale, found))
+        result.update(_rescale(setup, cand, keep, scale, found, ref))
     return StepResult(**result)
 
 
 def hunt(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float | None) -> NonFinite:
     """The same step again under the non-finite hunter: the first op that made inf/NaN."""
-    net, _ = _copy(setup, cand)
+    net, opt = _copy(setup, cand)
     with _keep(net, keep), cand.context(setup.device), Hunter() as hunter:
-        _backward(net, setup, cand, scale)
+        _step(net, opt, setup, cand, _scaler(cand, setup.device, scale))
     found = hunter.report()
     return NonFinite(False, ops_checked=found.ops_checked) if found.op in ALLOCATING else found
 
 
-def _grads_at(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float
-              ) -> dict[str, torch.Tensor]:
-    net, _ = _copy(setup, cand)
+def _step_at(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
+             ref: StepResult | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The step with a GradScaler starting at `scale`: (unscaled gradients, what it left)."""
+    net, opt = _copy(setup, cand)
+    before = _weights(net) if ref is not None and _narrow(cand.mode) else {}
+    grads: dict[str, torch.Tensor] = {}
     with _keep(net, keep), cand.context(setup.device):
-        _backward(net, setup, cand, scale)
-        return _grads(net, scale)
+        _step(net, opt, setup, cand, _scaler(cand, setup.device, scale), grads)
+    return grads, _left(net, opt, before, ref)
 
 
 def _rescale(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
-             found: NonFinite) -> dict[str, Any]:
+             found: NonFinite, ref: StepResult | None) -> dict[str, Any]:
     """The largest power-of-two loss scale below the initial one with finite gradients, and the
     steps a GradScaler (halving after each skipped step) would skip to get there."""
     top = round(math.log2(scale))
     low = round(math.log2(MIN_SCALE))
-    grads = _grads_at(setup, cand, keep, 2.0**low)
+    grads, left = _step_at(setup, cand, keep, 2.0**low, ref)
     if not _all_finite(grads):  # no scale helps: the gradients overflow on their own
         return dict(scale=2.0**low, skipped=top - low, first_overflow=found)
     hi = top  # invariant: 2**low gives finite gradients, 2**hi does not
     while hi - low > 1:
         mid = (low + hi) // 2
-        found_grads = _grads_at(setup, cand, keep, 2.0**mid)
+        found_grads, found_left = _step_at(setup, cand, keep, 2.0**mid, ref)
         if _all_finite(found_grads):
-            low, grads = mid, found_grads
+            low, grads, left = mid, found_grads, found_left
         else:
             hi = mid
     return dict(grads=grads, scale=2.0**low, skipped=top - low, first_overflow=found,
-                nonfinite=NonFinite(False, ops_checked=found.ops_checked))
+                nonfinite=NonFinite(False, ops_checked=found.ops_checked), **left)
 
 
 def time_steps(setup: Setup, cand: Candidate, repeat: int, scale: float | None = None,
                keep: tuple[str, ...] = (), warmup: int = 1) -> list[float]:
     """Wall times of `repeat` full steps (forward, backward, optimizer step) after warm-up."""
     net, opt = _copy(setup, cand)
+    scaler = _scaler(cand, setup.device, scale)
     times = []
     with _keep(net, keep), cand.context(setup.device):
         for i in range(repeat + warmup):
             sync(setup.device)
             t0 = time.perf_counter()
-            _backward(net, setup, cand, scale)
-            if scale:
-                for p in net.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(scale)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            _step(net, opt, setup, cand, scaler)
             sync(setup.device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)

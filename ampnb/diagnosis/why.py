@@ -12,10 +12,11 @@ from torch import nn
 from ampnb._interrupt import Guard
 from ampnb.batch import as_batch
 from ampnb.device import get_device, support_table
+from ampnb.diagnosis.candidates import candidates
+from ampnb.diagnosis.profile import Profile, profile_run
+from ampnb.diagnosis.run import Setup, measure
+from ampnb.diagnosis.start import started
 from ampnb.display import Table, TableView, format_percent, format_seconds
-from ampnb.doctor.candidates import candidates
-from ampnb.doctor.profile import Profile, profile_run
-from ampnb.doctor.run import Setup, measure
 
 
 @dataclass(frozen=True, repr=False)
@@ -49,15 +50,15 @@ def profile_step(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | Non
                  modes: Iterable[str] | str | None = ("32-true", "bf16-mixed", "16-mixed"),
                  seed: int = 0, step: Callable[[nn.Module], Any] | None = None) -> Profiles:
     """Profile one training step per mode on a copy: op time by dtype, casts, unaligned matmuls."""
-    from ampnb.doctor.core import _check, _restore, _save
+    from ampnb.diagnosis.core import _check, _restore, _save
 
     _check(model, optimizer, 1)
     dev = get_device(device or next(model.parameters()).device).name
     cands, _ = candidates(modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
-    setup = Setup(model, optimizer, data, loss_fn, dev, seed, step)
     found = []
-    with Guard(_save, _restore), torch.random.fork_rng(devices=[]):
+    with Guard(_save, _restore), started(model, optimizer) as start:
+        setup = Setup(start, data, loss_fn, dev, seed, step)
         for cand in cands:
             scale = measure(setup, cand).scale if cand.mode.uses_scaler else None
             found.append(profile_run(setup, cand, scale))

@@ -14,8 +14,8 @@ import torch
 from IPython.core.error import UsageError
 from torch import nn
 
-from ampnb.doctor.core import Progress, doctor_setup
-from ampnb.doctor.why import Profiles, profile_step
+from ampnb.diagnosis.core import DoctorOptions, Progress, doctor_setup
+from ampnb.diagnosis.why import Profiles, profile_step
 
 
 def _names(code: Any) -> set[str]:
@@ -90,8 +90,10 @@ def doctor_cell(shell: Any, cell: str, *, modes: Any = None, device: str | None 
     """What `%%amp --doctor` runs: the doctor on the cell's step (ValueError -> UsageError)."""
     model, optimizer, step = cell_step(shell, cell)
     try:
-        return doctor_setup(model, optimizer, device, 0, modes, tolerance, repeat, profile,
-                            Progress(), step=step)
+        options = DoctorOptions(optimizer=optimizer, device=device, modes=modes,
+                                tolerance=tolerance, repeat=repeat, profile=profile,
+                                progress=Progress())
+        return doctor_setup(model, options, step=step)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
