@@ -128,21 +128,13 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _type_checking(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
-
-
 def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
-    """ampnb modules imported anywhere in the file (module or function level), not for typing only."""
+    """ampnb modules imported anywhere in the file: module or function level, and under
+    `if TYPE_CHECKING:` too (a cycle for the type checker is still a cycle of the design)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if _type_checking(node):
-            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -194,6 +186,20 @@ def test_the_graph_sees_module_and_function_level_imports():
     assert "ampnb.fp8.te" in graph["ampnb.modes"]                     # inside a method
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_counts_imports_for_the_type_checker_too(tmp_path):
+    source = tmp_path / "typed.py"
+    source.write_text(textwrap.dedent("""
+        import typing
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from ampnb.modes import PrecisionMode
+        if typing.TYPE_CHECKING:
+            import ampnb.formats
+    """))
+    found = _imports("ampnb.typed", source, _modules())
+    assert found == {"ampnb.modes", "ampnb.formats"}
 
 
 def test_no_import_cycle_in_ampnb():

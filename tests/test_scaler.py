@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+from typing import NamedTuple
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ampnb.fp16_kernels import emulated_fp16_kernels, emulates_fp16
 from ampnb.scaler import STAGES, ScalerStepper
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -33,33 +35,59 @@ def make(seed: int = 0, device: str = "cpu", opt: str = "adamw", n_batches: int 
     return model, optim, torch.nn.functional.mse_loss, batches
 
 
+class Plain(NamedTuple):
+    """What the hand-written loop saw, per optimizer step."""
+
+    scales: list[float]         # the scale after update()
+    skipped: list[bool]         # the parameters did not change
+    losses: list[tuple[float, ...]]  # each micro-step's loss, before the division
+    norms: list[float]          # the unscaled gradients' total norm (clip_grad_norm_'s answer)
+
+
 def plain_loop(model, optim, loss_fn, batches, steps, accum=1, clip=None, inject=None,
-               device="cpu", dtype=torch.float16, scaler_on=True, **scaler_kw):
-    """nanoGPT's AMP loop written out by hand; inject=(step, micro, kind, layer or None)."""
+               device="cpu", dtype=torch.float16, scaler_on=True, **scaler_kw) -> Plain:
+    """nanoGPT's AMP loop written out by hand, with torch's recipe and nothing of ampnb's but the
+    fp16 products (run as ampnb runs them on this CPU: emulated where it has no fp16 units).
+
+    inject: (step, micro, kind, layer or None), or a list of them: fill those gradients after
+    that micro-step's backward.
+    """
+    injections = [inject] if isinstance(inject, tuple) else list(inject or ())
     scaler = torch.amp.GradScaler(device, enabled=scaler_on, **scaler_kw)
     data = itertools.cycle(batches)
-    scales, skipped = [], []
-    for step in range(steps):
-        for micro in range(accum):
-            x, y = next(data)
-            with torch.autocast(device, dtype=dtype):
-                loss = loss_fn(model(x), y) / accum
-            scaler.scale(loss).backward()
-            if inject and inject[:2] == (step, micro):
-                target = model if inject[3] is None else model.get_submodule(inject[3])
-                with torch.no_grad():
-                    for p in target.parameters():
-                        p.grad.fill_(float(inject[2]))
-        if clip:
+    out = Plain([], [], [], [])
+    emulate = dtype == torch.float16 and emulates_fp16(device)
+    with emulated_fp16_kernels(emulate):
+        for step in range(steps):
+            losses = []
+            for micro in range(accum):
+                x, y = next(data)
+                with torch.autocast(device, dtype=dtype):
+                    loss = loss_fn(model(x), y)
+                    losses.append(loss.item())
+                    loss = loss / accum
+                scaler.scale(loss).backward()  # outside autocast, as torch's recipe says
+                for at_step, at_micro, kind, layer in injections:
+                    if (at_step, at_micro) == (step, micro):
+                        target = model if layer is None else model.get_submodule(layer)
+                        with torch.no_grad():
+                            for p in target.parameters():
+                                p.grad.fill_(float(kind))
             scaler.unscale_(optim)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        before = [p.detach().clone() for p in model.parameters()]
-        scaler.step(optim)
-        scaler.update()
-        optim.zero_grad(set_to_none=True)
-        skipped.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
-        scales.append(scaler.get_scale())
-    return scales, skipped
+            if clip:  # clip_grad_norm_ answers the norm before clipping
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            else:
+                norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten().float()
+                                                           for p in model.parameters()]))
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(optim)
+            scaler.update()
+            optim.zero_grad(set_to_none=True)
+            out.skipped.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+            out.scales.append(scaler.get_scale())
+            out.losses.append(tuple(losses))
+            out.norms.append(float(norm))
+    return out
 
 
 CASES = {
@@ -84,8 +112,7 @@ def test_matches_plain_torch_amp_loop(case, device):
     sk = dict(init_scale=2.0**10, growth_interval=2, backoff_factor=0.25, growth_factor=4.0)
     steps = 6
     ref_model, ref_opt, loss_fn, batches = make(device=device, huge=huge)
-    ref_scales, ref_skipped = plain_loop(ref_model, ref_opt, loss_fn, batches, steps, accum, clip,
-                                         inject, device, **sk)
+    ref = plain_loop(ref_model, ref_opt, loss_fn, batches, steps, accum, clip, inject, device, **sk)
     model, opt, loss_fn, batches = make(device=device, huge=huge)
     stepper = ScalerStepper(model, opt, loss_fn, batches, accumulation_steps=accum,
                             clip_norm=clip, **sk)
@@ -95,12 +122,17 @@ def test_matches_plain_torch_amp_loop(case, device):
                 stepper.next_stage()
             stepper.inject(inject[2], inject[3])
         stepper.step()
-    assert [r.new_scale for r in stepper.history] == ref_scales
-    assert [r.skipped for r in stepper.history] == ref_skipped
+    assert [r.new_scale for r in stepper.history] == ref.scales
+    assert [r.skipped for r in stepper.history] == ref.skipped
+    # every micro-step, bit for bit (as text: an overflowed loss is NaN on both sides)
+    assert repr([r.losses for r in stepper.history]) == repr(ref.losses)
+    # The unscaled gradients' norm: the same gradients, summed in another order.
+    assert [r.grad_norm_unscaled for r in stepper.history] == pytest.approx(
+        ref.norms, rel=1e-5, nan_ok=True)
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
     if huge or inject:  # the case really exercised a skip
-        assert any(ref_skipped)
+        assert any(ref.skipped)
     if clip:  # small limits clip; a far larger one leaves every gradient bit as it was
         assert any(r.clipped for r in stepper.history) == (clip < 1)
         if clip >= 1:
@@ -227,8 +259,8 @@ def test_a_generator_of_batches_is_read_lazily_and_cycled():
     assert len(pulled) == 2
     lazy.run(3)  # 8 micro-steps over 3 batches: cycled after the generator ran dry
     ref_model, ref_opt, _, _ = make(n_batches=3)
-    ref_scales, _ = plain_loop(ref_model, ref_opt, loss_fn, batches, 4, accum=2)
-    assert [r.new_scale for r in lazy.history] == ref_scales
+    ref = plain_loop(ref_model, ref_opt, loss_fn, batches, 4, accum=2)
+    assert [r.new_scale for r in lazy.history] == ref.scales
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
 
 
@@ -266,30 +298,18 @@ def test_any_schedule_of_faults_matches_torch(accum, interval, backoff, growth, 
     sk = dict(init_scale=2.0**8, growth_interval=interval, backoff_factor=backoff,
               growth_factor=growth)
     ref_model, ref_opt, loss_fn, batches = make(opt="sgd")
-    scaler = torch.amp.GradScaler("cpu", **sk)
-    data = itertools.cycle(batches)
-    ref_scales = []
-    for step in range(6):
-        for _ in range(accum):
-            x, y = next(data)
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = loss_fn(ref_model(x), y) / accum
-            scaler.scale(loss).backward()
-            if step in inject_at:
-                for p in ref_model.parameters():
-                    p.grad.fill_(float(kind))
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_opt.zero_grad(set_to_none=True)
-        ref_scales.append(scaler.get_scale())
+    # every micro-step of an injected step: the sum is inf/NaN as after the first one
+    faults = [(step, micro, kind, None) for step in inject_at for micro in range(accum)]
+    ref = plain_loop(ref_model, ref_opt, loss_fn, batches, 6, accum, inject=faults, **sk)
     model, opt, loss_fn, batches = make(opt="sgd")
     stepper = ScalerStepper(model, opt, loss_fn, batches, accumulation_steps=accum, **sk)
     for step in range(6):
         if step in inject_at:
             stepper.inject(kind)
         stepper.step()
-    assert [r.new_scale for r in stepper.history] == ref_scales
-    assert [r.skipped for r in stepper.history] == [s in inject_at for s in range(6)]
+    assert [r.new_scale for r in stepper.history] == ref.scales
+    assert [r.skipped for r in stepper.history] == ref.skipped == [s in inject_at for s in range(6)]
+    assert repr([r.losses for r in stepper.history]) == repr(ref.losses)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
 
 
@@ -310,7 +330,8 @@ def test_one_stage_table_drives_the_plan_the_runners_and_the_listing():
     # The runner that ran each stage is the table's: the records come back in the plan's order.
     calls = []
     stepper._plan = tuple(dataclasses.replace(
-        s, run=lambda st, prepared, _s=s: (calls.append(_s.name), _s.run(st, prepared))[1])
+        s, run=lambda parts, state, prepared, _s=s: (calls.append(_s.name),
+                                                     _s.run(parts, state, prepared))[1])
         for s in stepper._plan)
     records = [stepper.next_stage() for _ in plan]
     assert calls == [r.stage for r in records] == plan

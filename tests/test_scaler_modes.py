@@ -12,13 +12,14 @@ from ampnb.scaler import ScalerStepper, diagnose
 
 def test_bf16_mixed_disables_the_scaler_and_matches_plain_bf16_loop():
     ref_model, ref_opt, loss_fn, batches = make()
-    plain_loop(ref_model, ref_opt, loss_fn, batches, 3, accum=2, dtype=torch.bfloat16,
-               scaler_on=False)
+    ref = plain_loop(ref_model, ref_opt, loss_fn, batches, 3, accum=2, dtype=torch.bfloat16,
+                     scaler_on=False)
     model, opt, loss_fn, batches = make()
     stepper = ScalerStepper(model, opt, loss_fn, batches, mode="bf16-mixed", accumulation_steps=2)
     assert stepper.enabled is False and not stepper.scaler.is_enabled()
     history = stepper.run(3)
     assert all(r.scale == 1.0 and not r.skipped for r in history)
+    assert [r.losses for r in history] == ref.losses
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
     assert [g.case for g in diagnose(stepper)] == ["bf16_no_scaler"]
 

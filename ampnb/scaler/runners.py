@@ -1,40 +1,36 @@
-"""What each stage of the canonical AMP loop does to the model, optimizer and scaler, and records.
+"""What each stage of the canonical AMP loop does to the model, optimizer and scaler.
 
-A runner is called by `ScalerStepper.next_stage()` with SIGINT held back, so that a stage either
-happens and is recorded or does not happen. Only the forward's work before it commits anything
-(`prepare_forward`) runs interruptible: it changes nothing the stepper keeps.
+A runner gets the step's `Parts` and `StepState` (`ampnb.scaler.state`), does its stage with the
+mode's own pieces (`ampnb.step.forward_loss`, `mode.backward`; the stepper runs every stage
+inside `ampnb.step.step_context`), leaves what the next stage needs in the state, and returns
+the fields of its `StageRecord`. `ScalerStepper.next_stage()` calls it with SIGINT held back,
+so that a stage either happens and is recorded or does not happen. Only the forward's work
+before it commits anything (`prepare_forward`) runs interruptible: it changes nothing kept.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from ampnb._interrupt import deferred
 from ampnb._tree import tensors
-from ampnb.batch import as_batch, step_loss
+from ampnb.batch import as_batch
 from ampnb.display import dtype_name
-from ampnb.scaler.records import StageRecord, StepRecord, flat_grads, grad_stats, measure
-
-if TYPE_CHECKING:
-    from ampnb.scaler.stepper import ScalerStepper
+from ampnb.scaler.records import StepRecord, flat_grads, grad_stats, measure
+from ampnb.scaler.state import Parts, StepState
+from ampnb.step import forward_loss
 
 # What the listing and the records say where a stage does not act (one text for both).
 NO_SCALER_STEP = "optimizer.step() runs: no inf/NaN check without a GradScaler"
 NO_SCALER = "scaler disabled: returns at once"
 NO_SCALER_BACKWARD = "scaler disabled: scale() returns the loss as it is; plain backward"
 NO_CLIP = "clip_norm off: not called"
+INJECT = {"inf": float("inf"), "nan": float("nan")}
 
-
-def _record(s: ScalerStepper, **kw: Any) -> StageRecord:
-    stage = s.current_stage
-    micro = s.micro_step if stage.micro else None
-    # The scale only changes in update(): a cached copy spares a device sync per stage.
-    return StageRecord(s.step_index, micro, stage.name, s._scale_now, **kw)
+Fields = dict[str, Any]  # a runner's StageRecord fields: loss, grads, found_inf, skipped, note
 
 
 def _norm(stats: Any) -> float:
@@ -50,151 +46,133 @@ def loss_access(output: Any) -> str:
     return "['loss']" if isinstance(output, Mapping) else ".loss"
 
 
-def _within(context: AbstractContextManager, fn: Callable[[], Any]) -> Any:
-    """fn() inside a context (e.g. autocast) whose exit an interrupt cannot skip."""
-    hold = deferred()
-    with context:
-        result = fn()
-        # An interrupt at the with's closing line would skip its exit: hold it until after.
-        hold.__enter__()
-    hold.__exit__(None, None, None)
-    return result
-
-
-def prepare_forward(s: ScalerStepper) -> tuple[torch.Tensor, Any]:
+def prepare_forward(p: Parts, s: StepState) -> tuple[Any, torch.Tensor]:
     """The forward and the loss of the next batch; interruptible (nothing kept is changed)."""
-    raw = s.batch(s.batch_index)
-    batch = as_batch(raw, s.loss_fn)
-    # A batch seen on the device needs no move (a move or a walk rebuilds every container).
-    if id(raw) not in s._on_device:
-        if any(t.device != s.device for t in tensors((batch.args, batch.kwargs, batch.targets))):
-            batch = batch.to(s.device)
-        else:
-            s._on_device.add(id(raw))  # the cycle keeps raw alive, so its id stays its own
-    batch = batch.convert(s.mode.convert_input)
-
-    def compute() -> tuple[torch.Tensor, Any]:
-        outputs = batch.call(s.model)
-        return step_loss(outputs, batch, s.loss_fn), outputs
-
-    # fp16 products of the forward run as the mode's kernels do here (emulated on most CPUs)
-    return _within(s.mode.kernel_context(s.device),
-                   lambda: _within(s.mode.forward_context(s.device), compute))
+    batch = as_batch(p.batches[s.batch_index], p.loss_fn)
+    return forward_loss(p.mode, p.model, batch, p.loss_fn, p.device)
 
 
-def forward(s: ScalerStepper, prepared: tuple[torch.Tensor, Any]) -> StageRecord:
-    loss_t, outputs = prepared
-    value = loss_t.item()
+def forward(p: Parts, s: StepState, prepared: tuple[Any, torch.Tensor]) -> Fields:
+    outputs, loss = prepared
+    value = loss.item()
     out = next((t for t in tensors(outputs) if t.is_floating_point()), None)
-    s._loss = loss_t
+    s.loss = loss
     s.batch_index += 1
-    s._losses.append(value)
-    if s.loss_fn is None:
-        s._loss_access = loss_access(outputs)
-    return _record(s, loss=value, note=f"outputs {dtype_name(None if out is None else out.dtype)}, "
-                                       f"loss {dtype_name(loss_t.dtype)}")
+    s.losses.append(value)
+    if p.loss_fn is None:
+        s.loss_access = loss_access(outputs)
+    return dict(loss=value, note=f"outputs {dtype_name(None if out is None else out.dtype)}, "
+                                 f"loss {dtype_name(loss.dtype)}")
 
 
-def divide(s: ScalerStepper, _: Any = None) -> StageRecord:
-    s._loss = s._loss / s.settings.accumulation_steps
-    return _record(s, loss=s._loss.item(),
-                   note=f"divided by accumulation_steps={s.settings.accumulation_steps}")
+def divide(p: Parts, s: StepState, _: Any = None) -> Fields:
+    s.loss = s.loss / p.settings.accumulation_steps
+    return dict(loss=s.loss.item(),
+                note=f"divided by accumulation_steps={p.settings.accumulation_steps}")
 
 
-def backward(s: ScalerStepper, _: Any = None) -> StageRecord:
-    scaled = s.scaler.scale(s._loss)
-    with s.mode.kernel_context(s.device):  # backward's products as the forward's
-        scaled.backward()
-    s._loss = None
-    note = ("gradients are scaled (x scale) and summed over micro-steps" if s.enabled
+def _inject(p: Parts, kind: str, layer: str | None) -> tuple[str, int]:
+    """Fill the chosen gradients with inf or NaN; the record's text and how many values."""
+    target = p.model if layer is None else p.model.get_submodule(layer)
+    count = 0
+    with torch.no_grad():
+        for param in target.parameters(recurse=layer is None):
+            if param.grad is not None:
+                param.grad.fill_(INJECT[kind])
+                count += param.grad.numel()
+    return f"{kind} in {layer or 'all'}", count
+
+
+def backward(p: Parts, s: StepState, _: Any = None) -> Fields:
+    loss, s.loss = s.loss, None
+    p.mode.backward(loss, p.scaler)  # the mode's hook: scaler.scale(loss).backward()
+    # What backward multiplied (scale() again, on the detached loss): read with the statistics.
+    scaled = p.scaler.scale(loss.detach())
+    note = ("gradients are scaled (x scale) and summed over micro-steps" if p.enabled
             else NO_SCALER_BACKWARD)
-    if s._injection is not None:
-        s._notes["injected"], count = s._apply_injection()
-        note = f"injected {s._notes['injected']} ({count} gradient values); " + note
-    s._flat = flat_grads(s.params)  # after the last micro-step: the scaled gradients
+    if s.injection is not None:
+        (kind, layer), s.injection = s.injection, None
+        s.injected, count = _inject(p, kind, layer)
+        note = f"injected {s.injected} ({count} gradient values); " + note
+    s.scaled_grads = flat_grads(p.params)  # after the last micro-step: the scaled gradients
     # The scaled loss is read back with the gradient statistics (one transfer from a GPU).
-    grads, (loss,) = measure(s._flat, flags=[scaled])
-    return _record(s, loss=loss, grads=grads, note=note)
+    s.scaled, (value,) = measure(s.scaled_grads, flags=[scaled])
+    return dict(loss=value, grads=s.scaled, note=note)
 
 
-def unscale(s: ScalerStepper, _: Any = None) -> StageRecord:
-    s.scaler.unscale_(s.optimizer)
-    unscaled = flat_grads(s.params)
+def unscale(p: Parts, s: StepState, _: Any = None) -> Fields:
+    p.scaler.unscale_(p.optimizer)
+    unscaled = flat_grads(p.params)
     # Kept for the before/after-scaling histogram; one copy each, replaced every step.
-    s.last_grads = {"scaled": s._flat, "unscaled": unscaled, "scale": s._step_scale}
+    s.last_grads = {"scaled": s.scaled_grads, "unscaled": unscaled, "scale": s.scale}
     # The scaler's found_inf flags are read back with the statistics: one sync, not two.
-    flags = list(s.scaler._found_inf_per_device(s.optimizer).values()) if s.enabled else []
-    after, found = measure(unscaled, smallest=True, flags=flags)
-    # The scaled statistics are those the last backward recorded (nothing ran in between).
-    before = s.stages[-1].grads
+    flags = list(p.scaler._found_inf_per_device(p.optimizer).values()) if p.enabled else []
+    s.unscaled, found = measure(unscaled, smallest=True, flags=flags)
     # With no scaler to ask, look at the gradients ourselves.
-    found_inf = bool(sum(found)) if s.enabled else bool(after and after.nonfinite)
-    s._notes.update(before=before, after=after, found_inf=found_inf)
-    note = "divided by the scale; checked for inf/NaN" if s.enabled else NO_SCALER
-    return _record(s, grads=after, found_inf=found_inf, note=note)
+    s.found_inf = bool(sum(found)) if p.enabled else bool(s.unscaled and s.unscaled.nonfinite)
+    note = "divided by the scale; checked for inf/NaN" if p.enabled else NO_SCALER
+    return dict(grads=s.unscaled, found_inf=s.found_inf, note=note)
 
 
-def clip(s: ScalerStepper, _: Any = None) -> StageRecord:
-    before = s._notes["after"]
-    if not s.settings.clipping:
-        s._notes.update(clipped=before, changed=False)
-        return _record(s, grads=before, note=NO_CLIP)
-    torch.nn.utils.clip_grad_norm_(s.params, s.settings.clip_norm)
+def clip(p: Parts, s: StepState, _: Any = None) -> Fields:
+    before, limit = s.unscaled, p.settings.clip_norm
+    if not p.settings.clipping:
+        s.clipped, s.changed = before, False
+        return dict(grads=before, note=NO_CLIP)
+    torch.nn.utils.clip_grad_norm_(p.params, limit)
     # Far below the limit torch multiplies by exactly 1.0, which changes no bit: nothing to
     # measure again. Near or above it (or non-finite), measure what clipping left.
-    far_below = before is not None and before.norm < 0.5 * s.settings.clip_norm
-    clipped = before if far_below else grad_stats(s.params)
+    far_below = before is not None and before.norm < 0.5 * limit
+    s.clipped = before if far_below else grad_stats(p.params)
     # Non-finite gradients come out NaN from clipping; "changed" only means a finite rescale.
-    changed = bool(before and clipped and math.isfinite(before.norm)
-                   and clipped.norm != before.norm)
-    s._notes.update(clipped=clipped, changed=changed)
-    return _record(s, grads=clipped, note=f"clip to {s.settings.clip_norm}: "
-                   + ("changed" if changed else "unchanged"))
+    s.changed = bool(before and s.clipped and math.isfinite(before.norm)
+                     and s.clipped.norm != before.norm)
+    return dict(grads=s.clipped,
+                note=f"clip to {limit}: " + ("changed" if s.changed else "unchanged"))
 
 
 def _nonfinite_weights(params: list[torch.Tensor]) -> int:
-    return int(sum((~torch.isfinite(p.detach())).sum().item() for p in params))
+    return int(sum((~torch.isfinite(param.detach())).sum().item() for param in params))
 
 
-def step(s: ScalerStepper, _: Any = None) -> StageRecord:
+def step(p: Parts, s: StepState, _: Any = None) -> Fields:
     applied: list[bool] = []
     # Observe rather than re-derive: the hook fires only when optimizer.step() really runs.
-    handle = s.optimizer.register_step_post_hook(lambda *_: applied.append(True))
+    handle = p.optimizer.register_step_post_hook(lambda *_: applied.append(True))
     try:
-        s.scaler.step(s.optimizer)
+        p.scaler.step(p.optimizer)
     finally:
         handle.remove()
-    s._notes["skipped"] = skipped = not applied
-    found_inf = s._notes["found_inf"]
+    s.skipped = skipped = not applied
     # Counted only after a step whose gradients held inf/NaN: the rare case worth a pass.
-    s._notes["nonfinite_weights"] = bad = _nonfinite_weights(s.params) if found_inf else 0
+    s.nonfinite_weights = bad = _nonfinite_weights(p.params) if s.found_inf else 0
     if skipped:
         note = "optimizer.step() skipped: inf/NaN found"
-    elif not s.enabled:
+    elif not p.enabled:
         note = NO_SCALER_STEP.replace("runs", "ran") + (
-            f"; non-finite gradients reached the weights ({bad} values inf/NaN)" if found_inf else "")
+            f"; non-finite gradients reached the weights ({bad} values inf/NaN)"
+            if s.found_inf else "")
     else:
         note = "optimizer.step() applied"
-    return _record(s, found_inf=found_inf, skipped=skipped, note=note)
+    return dict(found_inf=s.found_inf, skipped=skipped, note=note)
 
 
-def update(s: ScalerStepper, _: Any = None) -> StageRecord:
-    old = s._scale_now  # a cached copy: only update() changes the scale
-    s.scaler.update()
-    new = s._scale_now = s.scale
-    tracker = s.growth_tracker
+def update(p: Parts, s: StepState, _: Any = None) -> Fields:
+    old = s.scale_now
+    p.scaler.update()
+    new = s.scale_now = float(p.scaler.get_scale())
+    tracker = int(p.scaler._get_growth_tracker())  # one read; state_dict() makes two
     change = "backoff" if new < old else "growth" if new > old else "unchanged"
-    n = s._notes
-    s.history.append(StepRecord(
-        step=s.step_index, losses=tuple(s._losses), scale=s._step_scale, new_scale=new,
-        growth_tracker=tracker, found_inf=n["found_inf"], skipped=n["skipped"],
-        grad_norm_scaled=_norm(n["before"]), grad_norm_unscaled=_norm(n["after"]),
-        grad_norm_clipped=_norm(n["clipped"]), clipped=n["changed"], injected=n["injected"],
-        nonfinite_weights=n["nonfinite_weights"]))
-    note = f"scale {change}; growth tracker {tracker}" if s.enabled else NO_SCALER
-    return _record(s, found_inf=n["found_inf"], skipped=n["skipped"], note=note)
+    s.finished = StepRecord(
+        step=s.step, losses=tuple(s.losses), scale=s.scale, new_scale=new,
+        growth_tracker=tracker, found_inf=s.found_inf, skipped=s.skipped,
+        grad_norm_scaled=_norm(s.scaled), grad_norm_unscaled=_norm(s.unscaled),
+        grad_norm_clipped=_norm(s.clipped), clipped=s.changed, injected=s.injected,
+        nonfinite_weights=s.nonfinite_weights)
+    note = f"scale {change}; growth tracker {tracker}" if p.enabled else NO_SCALER
+    return dict(found_inf=s.found_inf, skipped=s.skipped, note=note)
 
 
-def zero_grad(s: ScalerStepper, _: Any = None) -> StageRecord:
-    s.optimizer.zero_grad(set_to_none=True)
-    return _record(s, note="gradients cleared for the next step")
+def zero_grad(p: Parts, s: StepState, _: Any = None) -> Fields:
+    p.optimizer.zero_grad(set_to_none=True)
+    return dict(note="gradients cleared for the next step")

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ampnb.scaler import runners as r
-
-if TYPE_CHECKING:
-    from ampnb.scaler.records import StageRecord
-    from ampnb.scaler.stepper import ScalerStepper
+from ampnb.scaler.state import Parts, StepState
 
 
 @dataclass(frozen=True)
@@ -58,9 +55,9 @@ class Stage:
     name: str
     micro: bool  # once per micro-step (True), or once at the accumulation boundary
     code: Callable[[Loop], tuple[str, ...]]  # the listing's lines for this run's settings
-    run: Callable[[ScalerStepper, Any], StageRecord]  # does the stage (SIGINT held back)
+    run: Callable[[Parts, StepState, Any], r.Fields]  # does the stage (SIGINT held back)
     # Work before the stage commits anything, so an interrupt there leaves it not done.
-    prepare: Callable[[ScalerStepper], Any] | None = None
+    prepare: Callable[[Parts, StepState], Any] | None = None
 
 
 # nanoGPT's order (STYLE.md). Where a stage does not act (scaler disabled, clip_norm off) it

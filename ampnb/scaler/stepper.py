@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections import deque
@@ -10,15 +11,18 @@ from typing import Any
 
 import torch
 
-from ampnb._interrupt import deferred
+from ampnb._interrupt import Guard, deferred
 from ampnb.batch import as_batch
 from ampnb.display import Table
+from ampnb.modes import PrecisionMode, get_mode
 from ampnb.scaler import stages as stage_table
 from ampnb.scaler.batches import BatchCycle
 from ampnb.scaler.records import StageRecord, StepRecord, history_table
+from ampnb.scaler.runners import INJECT
 from ampnb.scaler.settings import ScalerSettings
+from ampnb.scaler.state import Parts, StepState
+from ampnb.step import StepSettings, all_of, backward_outside_autocast, step_context
 
-_INJECT = {"inf": float("inf"), "nan": float("nan")}
 _KEEP_STAGES = 10_000
 
 
@@ -65,8 +69,6 @@ def _resolve_enabled(mode: Any, enabled: bool | None) -> bool:
 
 def _check_stepped_by_torch_amp(mode: Any) -> None:
     """Refuse a mode whose optimizer steps on master weights outside the torch.amp loop (APEX O2)."""
-    from ampnb.modes import PrecisionMode
-
     if type(mode).master_weights is not PrecisionMode.master_weights:
         raise ValueError(f"mode {mode.name!r} steps fp32 master weights outside the torch.amp loop "
                          f"the ScalerStepper walks; allowed: a torch.amp mode (16-mixed, "
@@ -75,7 +77,12 @@ def _check_stepped_by_torch_amp(mode: Any) -> None:
 
 
 class ScalerStepper:
-    """Walk forward, divide, scaled backward, unscale_, clip, step, update, zero_grad; record all."""
+    """Walk forward, divide, scaled backward, unscale_, clip, step, update, zero_grad; record all.
+
+    Every stage runs inside the one step's context (`ampnb.step.step_context`: TF32, the mode's
+    fp16 kernels; backward with autocast off), entered once for a whole `step()` or `run(n)`.
+    The stages hand each other the step through `self.state` (`ampnb.scaler.state.StepState`).
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, batches: Iterable[Any],
@@ -84,8 +91,6 @@ class ScalerStepper:
                  init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  enabled: bool | None = None) -> None:
-        from ampnb.modes import get_mode  # written in parallel; keeps import order flexible
-
         # Everything is checked before the model, optimizer or torch state is touched.
         settings = ScalerSettings(accumulation_steps, clip_norm, init_scale, growth_factor,
                                   backoff_factor, growth_interval)
@@ -103,10 +108,10 @@ class ScalerStepper:
         converted = self.mode.convert_module(model)
         self.model = model if converted is None else converted
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self._loss_fn = loss_fn
         self.settings = settings
-        self._loss_access = ".loss"  # how the model's own loss is read; the forward learns it
-        self._on_device: set[int] = set()  # ids of batches found on the device (not moved)
+        self._step_settings = StepSettings(self.mode, str(self.device))
+        self._running = False  # inside the step's context (entered once per step() or run(n))
         self._initial = {"model": copy.deepcopy(self.model.state_dict()),
                          "optimizer": copy.deepcopy(optimizer.state_dict())}
         self._start(settings)
@@ -117,25 +122,14 @@ class ScalerStepper:
         self.settings = settings
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.enabled,
                                            **settings.scaler_kwargs())
-        self._params = list(self.model.parameters())
+        self._parts = Parts(self.model, self.optimizer, self.scaler, self._loss_fn, self.mode,
+                            self.device, settings, self._data, list(self.model.parameters()))
         self.history: list[StepRecord] = []
         # Stage records of recent steps only, so a long Run N cannot grow memory without end.
         self.stages: deque[StageRecord] = deque(maxlen=_KEEP_STAGES)
-        self.step_index = 0
-        self.batch_index = 0
         self._cursor = 0
         self._plan = stage_table.plan(settings.accumulation_steps)
-        self._injection: tuple[str, str | None] | None = None
-        # The last unscale_'s gradients, scaled and unscaled (flat fp32), and the scale used.
-        self.last_grads: dict[str, Any] = {}
-        self._clear_step()
-
-    def _clear_step(self, scale: float | None = None) -> None:
-        self._loss: torch.Tensor | None = None
-        self._flat: torch.Tensor | None = None
-        self._losses: list[float] = []
-        self._step_scale = self._scale_now = self.scale if scale is None else scale
-        self._notes: dict[str, Any] = {"injected": "", "nonfinite_weights": 0}
+        self.state = StepState(scale=self.scale, scale_now=self.scale)
 
     def reset(self, **changes: Any) -> None:
         """Back to the initial model/optimizer state, with new settings (e.g. init_scale=2.**10)."""
@@ -161,6 +155,31 @@ class ScalerStepper:
     def growth_tracker(self) -> int:
         """Clean steps in a row since the last growth or backoff."""
         return int(self.scaler._get_growth_tracker())  # one read; state_dict() makes two
+
+    @property
+    def loss_fn(self) -> Callable[[Any, Any], torch.Tensor] | None:
+        """The loss function (None: the model's own loss); may be replaced between stages."""
+        return self._loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, fn: Callable[[Any, Any], torch.Tensor] | None) -> None:
+        self._loss_fn = fn
+        self._parts = dataclasses.replace(self._parts, loss_fn=fn)
+
+    @property
+    def step_index(self) -> int:
+        """Index of the optimizer step under way (or the next one)."""
+        return self.state.step
+
+    @property
+    def batch_index(self) -> int:
+        """How many batches the forward has read (the next is this one, cycled)."""
+        return self.state.batch_index
+
+    @property
+    def last_grads(self) -> dict[str, Any]:
+        """The last unscale_'s gradients, 'scaled' and 'unscaled' (flat fp32), and its 'scale'."""
+        return self.state.last_grads
 
     @property
     def current_stage(self) -> stage_table.Stage:
@@ -191,7 +210,7 @@ class ScalerStepper:
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
-        return self._params
+        return self._parts.params
 
     @property
     def layers(self) -> list[str]:
@@ -201,7 +220,7 @@ class ScalerStepper:
 
     def _loop(self) -> stage_table.Loop:
         fetch, call = stage_table.call_text(as_batch(self._data[0], self.loss_fn), self.loss_fn,
-                                       self._loss_access)
+                                       self.state.loss_access)
         return stage_table.Loop(self.device.type, self.mode.autocast_dtype, self.mode.name,
                            self.settings.accumulation_steps, self.settings.clip_norm,
                            self.enabled, fetch, call)
@@ -218,67 +237,77 @@ class ScalerStepper:
 
     def inject(self, kind: str = "inf", layer: str | None = None) -> None:
         """Make the next micro-step's gradients inf or NaN (all parameters, or one layer's)."""
-        if kind not in _INJECT:
-            raise ValueError(f"kind={kind!r} is not allowed; allowed: {', '.join(_INJECT)}.")
+        if kind not in INJECT:
+            raise ValueError(f"kind={kind!r} is not allowed; allowed: {', '.join(INJECT)}.")
         if layer is not None and layer not in self.layers:
             # A frozen layer (requires_grad=False) has no gradient to make inf or NaN.
             raise ValueError(f"layer={layer!r} is not a module with trainable parameters (no "
                              f"gradients to inject into); allowed: None (all) or one of "
                              f"{self.layers}.")
-        self._injection = (kind, layer)
-
-    def _apply_injection(self) -> tuple[str, int]:
-        """Fill the chosen gradients; returns the record's text and how many values changed."""
-        kind, layer = self._injection
-        self._injection = None
-        target = self.model if layer is None else self.model.get_submodule(layer)
-        count = 0
-        with torch.no_grad():
-            for p in target.parameters(recurse=layer is None):
-                if p.grad is not None:
-                    p.grad.fill_(_INJECT[kind])
-                    count += p.grad.numel()
-        return f"{kind} in {layer or 'all'}", count
+        self.state.injection = (kind, layer)
 
     # ----- running ------------------------------------------------------------------------
 
+    def _context(self) -> contextlib.AbstractContextManager:
+        """The step's context (TF32, the mode's kernels, backward with autocast off); entered
+        once by the outermost of run(n), step() and next_stage()."""
+        if self._running:
+            return contextlib.nullcontext()
+        return all_of([step_context(self._step_settings), backward_outside_autocast(),
+                       Guard(self._enter_run, self._leave_run)])
+
+    def _enter_run(self) -> None:
+        self._running = True
+
+    def _leave_run(self, _: Any) -> None:
+        self._running = False
+
     def next_stage(self) -> StageRecord:
         """Run the next stage of the loop and return its record."""
-        stage = self._plan[self._cursor]
-        # The forward's work can be interrupted: until the stage commits, nothing kept changed.
-        prepared = None if stage.prepare is None else stage.prepare(self)
-        # From here the stage happens and is recorded as one: an interrupt waits for its end.
-        with deferred():
-            return self._commit(stage, prepared)
+        with self._context():
+            stage = self._plan[self._cursor]
+            # The forward's work can be interrupted: until the stage commits, nothing kept changed.
+            prepared = None if stage.prepare is None else stage.prepare(self._parts, self.state)
+            # From here the stage happens and is recorded as one: an interrupt waits for its end.
+            with deferred():
+                return self._commit(stage, prepared)
 
     def _commit(self, stage: stage_table.Stage, prepared: Any) -> StageRecord:
         """Run a stage and record it; called with SIGINT held back."""
-        record = stage.run(self, prepared)
+        micro = self.micro_step if stage.micro else None
+        fields = stage.run(self._parts, self.state, prepared)
+        state = self.state
+        # The scale only changes in update(): the state's copy spares a device sync per stage.
+        record = StageRecord(state.step, micro, stage.name, state.scale_now, **fields)
         self.stages.append(record)
+        if state.finished is not None:  # update() wrote the step's record
+            self.history.append(state.finished)
+            state.finished = None
         self._cursor += 1
         if self._cursor == len(self._plan):
             self._cursor = 0
-            self.step_index += 1
-            self._clear_step(self._scale_now)  # update() has just read the new scale
+            self.state = state.next_step(state.scale_now)  # update() has read the new scale
         return record
 
     def step(self) -> StepRecord:
         """Finish the current optimizer step (all its remaining stages) and return its record."""
-        self.next_stage()
-        while self._cursor and self.current_stage.micro:
+        with self._context():
             self.next_stage()
-        # The boundary stages are quick (no forward or backward): one held section for them
-        # all, since each section costs two signal.signal calls.
-        with deferred():
-            while self._cursor:
-                self._commit(self.current_stage, None)
+            while self._cursor and self.current_stage.micro:
+                self.next_stage()
+            # The boundary stages are quick (no forward or backward): one held section for
+            # them all.
+            with deferred():
+                while self._cursor:
+                    self._commit(self.current_stage, None)
         return self.history[-1]
 
     def run(self, n: int) -> list[StepRecord]:
-        """Run n optimizer steps."""
+        """Run n optimizer steps (in one step context: its set-up is paid once)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n={n!r} is not allowed; it must be an integer >= 0.")
-        return [self.step() for _ in range(n)]
+        with self._context():
+            return [self.step() for _ in range(n)]
 
     # ----- checkpoints --------------------------------------------------------------------
 
@@ -315,10 +344,9 @@ class ScalerStepper:
             self._start(settings)
             if self.enabled:
                 self.scaler.load_state_dict(state["scaler"])
-            self.step_index = state["step_index"]
-            self.batch_index = state["batch_index"]
+            self.state = StepState(step=state["step_index"], batch_index=state["batch_index"],
+                                   scale=self.scale, scale_now=self.scale)
             self.history = history
-            self._clear_step()
 
     def __repr__(self) -> str:
         return (f"ScalerStepper(mode={self.mode.name!r}, step={self.step_index}, next stage "
