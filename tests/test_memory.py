@@ -182,3 +182,27 @@ def test_the_optimizer_is_an_instance_copied_with_its_settings_and_state():
     with pytest.raises(ValueError, match="allowed: a torch.optim.Optimizer instance"):
         ampnb.memory_report(model, (x, y), nn.functional.cross_entropy,
                             optimizer=torch.optim.AdamW)
+
+
+def test_the_step_is_the_one_step_with_the_modes_scaler_on_the_copys_weights(monkeypatch):
+    model, x, y = _mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    stepped, step = [], torch.amp.GradScaler.step
+
+    def spy(scaler, optimizer, *args, **kwargs):
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        stepped.append((type(optimizer), held, float(scaler.get_scale())))
+        return step(scaler, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "step", spy)
+    (s,) = ampnb.memory_report(model, (x, y), nn.functional.cross_entropy, optimizer=sgd,
+                               modes=["16-mixed"]).stats
+    ((kind, held, scale),) = stepped  # the mode's GradScaler stepped a copy of the user's SGD
+    assert kind is torch.optim.SGD and scale == 2.0 ** 16
+    assert not held & {id(p) for p in model.parameters()}
+    assert s.optimizer_bytes == params and sgd.state_dict()["state"] == {}
+    # APEX O2 steps fp32 masters of the fp16 weights: momentum and masters are fp32
+    (o2,) = ampnb.memory_report(model, (x, y), nn.functional.cross_entropy, optimizer=sgd,
+                                modes=["apex-O2"]).stats
+    assert o2.param_bytes * 2 == params and o2.optimizer_bytes == 2 * params

@@ -178,7 +178,6 @@ def _interrupt_at(k: int, fn, files: tuple[str, ...] = _OWN) -> int:
     return seen[0]
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # one in __del__
 def test_an_interrupt_at_any_line_leaves_no_stuck_counter_hook_or_mode():
     lin, x = nn.Linear(4, 3), torch.randn(2, 4)
 

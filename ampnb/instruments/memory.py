@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -13,9 +14,11 @@ from torch import nn
 
 from ampnb._interrupt import deferred
 from ampnb._tree import tensors
+from ampnb.apex import master_of
 from ampnb.batch import as_batch, model_loss, step_loss
 from ampnb.display import Table, TableView, format_bytes
 from ampnb.modes import get_mode
+from ampnb.step import StepSettings, step_context, train_step
 
 DEFAULT_MODES = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -29,31 +32,31 @@ def _storage(t: torch.Tensor) -> tuple[Any, int]:
         return id(t), t.numel() * t.element_size()
 
 
-class _Saved:
-    """What the pack hook returns: the tensor, and a release of its bytes when autograd drops it."""
+class _Held:
+    """What the pack hook returns: autograd frees it when it drops the saved tensor."""
 
-    __slots__ = ("meter", "key", "tensor")
+    __slots__ = ("tensor", "__weakref__")
 
-    def __init__(self, meter: MemoryMeter, key: Any, tensor: torch.Tensor) -> None:
-        self.meter, self.key, self.tensor = meter, key, tensor
-
-    def __del__(self) -> None:
-        meter = getattr(self, "meter", None)  # None when an interrupt cut __init__ short
-        if meter is not None:
-            meter._release(self.key)
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 class MemoryMeter(TableView):
     """`with memory_meter() as m:` tracks live bytes saved for backward (peak), and CUDA's peak.
 
-    The one meter: %%amp --memory, memory_report and every Workbench step use it.
+    The one meter: %%amp --memory, memory_report and every Workbench step use it. No ampnb
+    code runs when autograd frees a saved tensor (a KeyboardInterrupt raised in a finalizer
+    is lost): the weak reference to each `_Held` has a builtin list's `append` as callback,
+    and the meter settles those frees the next time it packs or is read.
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
-        self.live = self.peak_bytes = self.tensors = 0
+        self.peak_bytes = self.tensors = self._live = 0
         self.cuda_peak_bytes: int | None = None
-        self._refs: dict[Any, list[int]] = {}  # storage key -> [references, bytes]
+        self._refs: dict[Any, list[int]] = {}  # storage key -> [holders alive, bytes]
+        self._held: dict[int, tuple[weakref.ref, Any]] = {}  # id(ref) -> (ref, storage key)
+        self._freed: list[weakref.ref] = []  # refs to holders autograd has freed, not settled
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._cuda_start = 0
 
@@ -76,31 +79,47 @@ class MemoryMeter(TableView):
             torch.cuda.synchronize(self.device)
             self.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._cuda_start
 
+    @property
+    def live(self) -> int:
+        """Bytes saved for backward that autograd holds now."""
+        self._settle()
+        return self._live
+
     def _pack(self, t: torch.Tensor) -> Any:
         base = t._base if t._is_view() else t  # weight.t() is saved as a view of the weight
         if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
             return t  # parameters are held anyway: saving them costs nothing extra
+        if self._freed:
+            self._settle()  # frees since the last pack count before this one: a true peak
         key, nbytes = _storage(t)
         ref = self._refs.setdefault(key, [0, nbytes])
         if ref[0] == 0:
-            self.live += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live)
+            self._live += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._live)
         ref[0] += 1
         self.tensors += 1
-        return _Saved(self, key, t)
+        held = _Held(t)
+        weak = weakref.ref(held, self._freed.append)  # a builtin: no Python runs at the free
+        self._held[id(weak)] = (weak, key)
+        return held
 
     @staticmethod
     def _unpack(saved: Any) -> torch.Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
+        return saved.tensor if isinstance(saved, _Held) else saved
 
-    def _release(self, key: Any) -> None:
-        ref = self._refs.get(key)
-        if ref is None:
-            return
-        ref[0] -= 1
-        if ref[0] == 0:
-            self.live -= ref[1]
-            del self._refs[key]
+    def _settle(self) -> None:
+        """Release the bytes of the holders autograd freed since the last settle."""
+        with deferred():  # a settle is done whole or not begun: counts never drift
+            while self._freed:  # pop: a free on autograd's device thread may append meanwhile
+                weak = self._freed.pop()
+                _, key = self._held.pop(id(weak), (None, None))
+                ref = self._refs.get(key)
+                if ref is None:
+                    continue
+                ref[0] -= 1
+                if ref[0] == 0:
+                    self._live -= ref[1]
+                    del self._refs[key]
 
     def table(self) -> Table:
         """Peak bytes saved for backward (and CUDA's peak) while the meter was on."""
@@ -126,7 +145,7 @@ class MemoryStats:
     saved_tensors: int
     param_bytes: int
     grad_bytes: int
-    optimizer_bytes: int
+    optimizer_bytes: int  # its state, and fp32 master weights where the mode keeps them
     cuda_peak_bytes: int | None = None
 
     @property
@@ -161,23 +180,26 @@ def _copy_optimizer(optimizer: Any, model: nn.Module, params: list[nn.Parameter]
     return new
 
 
-def _loss(out: Any, run: Any, loss_fn: Callable | None) -> torch.Tensor:
-    """The step's loss; without one, the mean of the outputs stands in (same saved tensors)."""
-    if loss_fn is not None or model_loss(out) is not None:
-        return step_loss(out, run, loss_fn)
+def _own_or_mean(out: Any, targets: Any) -> torch.Tensor:
+    """The loss without a loss_fn: the model's own, else the mean of its float outputs stands
+    in (it keeps the same tensors saved for backward as a real loss would)."""
+    own = model_loss(out)
+    if own is not None:
+        return own
     floats = [t.float().mean() for t in tensors(out) if t.is_floating_point() and t.requires_grad]
     if not floats:
-        step_loss(out, run, None)  # raises: names what is allowed
+        step_loss(out, targets, None)  # raises: names what is allowed
     return sum(floats)
 
 
 def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None = None, *,
                    mode: Any = "32-true", optimizer: torch.optim.Optimizer | None = None,
                    device: str | None = None) -> MemoryStats:
-    """One step (forward, loss, backward, optimizer step) on a deep copy, under `mode`.
+    """The one training step (ampnb.step.train_step) on a deep copy, under `mode`.
 
-    A batch is anything ampnb.batch takes; without loss_fn the model's own loss is used. The
-    optimizer is an instance: a copy of it (type, settings, state) steps the copied model.
+    A batch is anything ampnb.batch takes; without loss_fn the model's own loss is used (or,
+    when it has none, the mean of its outputs). The optimizer is an instance: a copy of it
+    (type, settings, state) steps the copy's weights the mode's way, with its GradScaler.
     """
     if all(hasattr(model, k) for k in ("model", "optimizer", "loss_fn", "batches")):  # a Demo
         batch = model.batches[0] if batch is None else batch
@@ -207,15 +229,14 @@ def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None
         net = twin if converted is None else converted
         net.to(dev)
         opt = _copy_optimizer(optimizer, model, params)
-        run = run.to(dev).convert(m.convert_input)
-        with MemoryMeter(dev) as meter, m.kernel_context(dev):
-            with m.forward_context(dev):
-                out = run.call(net)
-            _loss(m.convert_output(out), run, loss_fn).float().backward()
-        opt.step()
+        with MemoryMeter(dev) as meter, step_context(StepSettings(m, str(dev)), net):
+            train_step(m, net, opt, run, loss_fn or _own_or_mean, device=dev,
+                       scaler=m.make_scaler(dev))
+    masters = [master_of(p) for p in params]  # APEX O2's fp32 masters live in the optimizer
     return MemoryStats(m.name, meter.peak_bytes, meter.tensors, _nbytes(params),
                        _nbytes(p.grad for p in params),
-                       _nbytes(v for st in opt.state.values() for v in st.values()),
+                       _nbytes(v for st in opt.state.values() for v in st.values())
+                       + _nbytes(w for w, p in zip(masters, params) if w is not p),
                        meter.cuda_peak_bytes)
 
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampnb._interrupt import Guard, critical
+from ampnb._interrupt import Guard
 from ampnb._tree import tensors
 from ampnb.display import Table, TableView, dtype_name
 
@@ -65,13 +65,6 @@ class internal(Guard):  # noqa: N801 - used like a function: `with internal():`
 
     def __init__(self) -> None:
         super().__init__(_deeper, _restore_depth)
-
-    @critical  # an interrupt here would be lost ("exception ignored") with the depth unrestored
-    def __del__(self) -> None:
-        # An interrupt at the `with` line on the way out skips __exit__ (Python 3.11); the
-        # guard is freed as the interrupt unwinds the frame, so the depth is restored here.
-        if getattr(self, "_entered", False):  # unset: __init__ itself was interrupted
-            self.__exit__()
 
 
 def is_internal() -> bool:
@@ -293,6 +286,7 @@ class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
 
 
 DETAILS = ("full", "summary")
+_SWEEP_MIN = 1024  # marks kept before the first sweep of dead ones
 
 
 class OpTrace(TableView, OpWatch):
@@ -312,19 +306,21 @@ class OpTrace(TableView, OpWatch):
         # names and categories are made once per distinct key, on reading
         self._fast: Counter[tuple] = Counter()
         # cast tensor -> dtype before: id -> (weak ref, dtype); a dict lookup per input is the
-        # common case, and WeakIdKeyDictionary made a weak reference for every lookup.
+        # common case, and WeakIdKeyDictionary made a weak reference for every lookup. The refs
+        # have no callback (ampnb code in a finalizer would lose a KeyboardInterrupt raised
+        # there): dead entries are dropped when the dict has doubled since the last sweep.
         self._source: dict[int, tuple[weakref.ref, str]] = {}
+        self._sweep_at = _SWEEP_MIN
 
     def _cast_mark(self, t: torch.Tensor) -> str | None:
         seen = self._source.get(id(t))
         return seen[1] if seen is not None and seen[0]() is t else None
 
     def _mark(self, t: torch.Tensor, dtype: str) -> None:
-        key = id(t)
-        def forget(ref: weakref.ref, k: int = key, src: dict = self._source) -> None:
-            if src.get(k, (None,))[0] is ref:  # not a newer tensor that got the same id
-                del src[k]
-        self._source[key] = (weakref.ref(t, forget), dtype)
+        self._source[id(t)] = (weakref.ref(t), dtype)
+        if len(self._source) >= self._sweep_at:  # amortized: one sweep per doubling
+            self._source = {k: v for k, v in self._source.items() if v[0]() is not None}
+            self._sweep_at = max(_SWEEP_MIN, 2 * len(self._source))
 
     @property
     def grouped(self) -> Counter[OpRow]:

@@ -1,0 +1,128 @@
+"""No interrupt is lost in a finalizer: Ctrl-C during `%%amp --memory` or the doctor always
+reaches the caller.
+
+Python discards an exception raised in `__del__` or a weakref callback ("Exception ignored
+in ..."), so a KeyboardInterrupt landing in ampnb code run there would vanish. ampnb runs no
+Python code in finalizers; these tests check the source for finalizers, and deliver an
+interrupt at sampled lines of ampnb's own code (tests/_sweep.py), also where autograd frees
+the tensors saved for backward, and check that every one reaches the caller.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _sweep import PACKAGE, LineCounter, lines_of, points
+from doctor_models import Plain, data
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+from torch import nn
+
+import ampnb
+from ampnb import _interrupt
+
+BUDGET = int(os.environ.get("AMPNB_SWEEP_BUDGET", "60")) or 10**9
+_WEAK = {"ref", "proxy", "WeakMethod", "finalize"}
+
+
+def _finalizers(source: str) -> list[str]:
+    """`__del__` methods, `weakref.finalize`, and weak references whose callback is not a
+    builtin list's `append` (the one callback that runs no Python code)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == "__del__":
+            found.append(f"line {node.lineno}: def __del__")
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(
+            node.func, "id", "")
+        if name not in _WEAK:
+            continue
+        callback = node.args[1] if len(node.args) > 1 else next(
+            (k.value for k in node.keywords if k.arg == "callback"), None)
+        if name == "finalize" or (callback is not None and not (
+                isinstance(callback, ast.Attribute) and callback.attr == "append")):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_finalizer_check_finds_each_kind():
+    source = ("class A:\n    def __del__(self): pass\n"
+              "weakref.finalize(a, f)\nweakref.ref(a, lambda r: None)\n"
+              "weakref.ref(a, callback=forget)\nweakref.ref(a, dead.append)\nweakref.ref(a)\n")
+    assert [f.split(":")[0] for f in _finalizers(source)] == ["line 2", "line 3", "line 4",
+                                                              "line 5"]
+
+
+def test_no_ampnb_code_runs_in_a_finalizer():
+    found = {str(p.relative_to(PACKAGE)): f for p in sorted(Path(PACKAGE).rglob("*.py"))
+             if (f := _finalizers(p.read_text()))}
+    assert not found, f"finalizers running ampnb code (an interrupt there is lost): {found}"
+
+
+def lost_interrupts(fn, budget: int) -> tuple[int, list[str]]:
+    """Interrupt fn at sampled ampnb lines; returns (points tried, interrupts that were lost).
+
+    Lost: the interrupt was delivered but fn returned, or Python reported a KeyboardInterrupt
+    as unraisable (raised in a finalizer), or it was still held after fn ended.
+    """
+    total = lines_of(fn)
+    lost, tried = [], points(total, budget)
+    for k in tried:
+        counter, unraisable = LineCounter(stop_at=k), []
+        previous, sys.unraisablehook = sys.unraisablehook, unraisable.append
+        reached = False
+        try:
+            counter.run(fn)
+        except KeyboardInterrupt:
+            reached = True
+        finally:
+            sys.unraisablehook = previous
+        swallowed = [u for u in unraisable if issubclass(u.exc_type, KeyboardInterrupt)]
+        held = bool(_interrupt._pending)
+        _interrupt._pending.clear()
+        if swallowed or held or (counter.fired_at and not reached):
+            why = "ignored in a finalizer" if swallowed else "still held" if held else "lost"
+            lost.append(f"line {k}/{total} at {counter.fired_at}: {why}")
+    return len(tried), lost
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "ampnb")
+    yield shell
+    shell.run_line_magic("unload_ext", "ampnb")
+
+
+def test_every_interrupt_during_amp_memory_reaches_the_caller(ip):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 4))
+    ip.user_ns.update(model=model, x=torch.randn(4, 8))
+    cell = "for _ in range(2):\n    model(x).sum().backward()\n"
+
+    def run():
+        with capture_output():
+            ip.run_cell_magic("amp", "bf16-mixed --memory -q", cell)
+
+    tried, lost = lost_interrupts(run, BUDGET)
+    assert tried > 10
+    assert not lost, f"{len(lost)} of {tried} interrupts lost:\n" + "\n".join(lost[:10])
+
+
+def test_every_interrupt_during_the_doctor_reaches_the_caller():
+    x, y = data()
+
+    def run():
+        ampnb.doctor(Plain(), (x, y), nn.functional.cross_entropy,
+                     modes=("32-true", "bf16-mixed"), repeat=1, profile=False)
+
+    tried, lost = lost_interrupts(run, BUDGET)
+    assert tried > 10
+    assert not lost, f"{len(lost)} of {tried} interrupts lost:\n" + "\n".join(lost[:10])
