@@ -202,8 +202,9 @@ def count_segments(parts: Sequence[torch.Tensor], plan: KeyPlan, absolute: bool 
     picks = plan_tensors(plan, ge.device).picks
     # One small transfer: the shared counts, and whether a straggler's cell holds anything.
     summary = ge.index_select(0, picks.summary).tolist()
-    held = [[a - b for a, b in zip(*pair)]  # per straggler and segment: elements in its cell
-            for pair in zip(summary[picks.straggler_first], summary[picks.straggler_next])]
+    # per straggler and segment: how many elements its cell holds at or above its first key
+    held = [[ge_first - ge_next for ge_first, ge_next in zip(firsts, nexts)]
+            for firsts, nexts in zip(summary[picks.straggler_first], summary[picks.straggler_next])]
     if any(map(any, held)):  # count those elements exactly
         levels = _count_stragglers(parts, plan, ge.index_select(0, picks.level_rows), held)
         table = levels.index_select(0, picks.level_plus) - \
@@ -218,7 +219,7 @@ def _count_stragglers(parts: Sequence[torch.Tensor], plan: KeyPlan, levels: torc
     """levels (how many |x| >= each level of the plan, per segment, from key counts), plus
     one masked pass over a straggler's cell in the segments that have elements there."""
     for straggler, held_by_segment in zip(plan.stragglers, held):
-        ix = sorted(straggler.levels, key=lambda i: plan.levels[i])
+        ix = sorted(straggler.levels, key=lambda i: plan.levels[i])  # levels, ascending
         bounds = torch.tensor([float_bits(plan.levels[i]) for i in ix], dtype=torch.int32,
                               device=levels.device)
         for s in (s for s, n in enumerate(held_by_segment) if n):

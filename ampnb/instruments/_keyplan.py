@@ -97,8 +97,8 @@ def key_plan(fmts: tuple[FloatFormat, ...]) -> KeyPlan:
     thresholds = sorted({*keys, *cell_keys, N_KEYS})
     index = {k: i for i, k in enumerate(thresholds)}
     return KeyPlan(levels, len(head), tuple(thresholds), tuple(index[k] for k in keys),
-                   tuple((c, s) for c, s in split.items() if s != 1),
-                   tuple(Straggler(c, tuple(ix)) for c, ix in strays.items()), cuts)
+                   tuple((cell, low) for cell, low in split.items() if low != 1),
+                   tuple(Straggler(cell, tuple(ix)) for cell, ix in strays.items()), cuts)
 
 
 class Picks(NamedTuple):

@@ -120,8 +120,8 @@ class SegmentCounts:
 
     @functools.cached_property
     def _rows(self) -> list[list[int]]:
-        t = self.table
-        return t.tolist() if isinstance(t, torch.Tensor) else t  # one transfer for all rows
+        table = self.table
+        return table.tolist() if isinstance(table, torch.Tensor) else table  # one transfer
 
     def coverages(self, i: int) -> dict[str, Coverage]:
         """Segment i's Coverage in every format, by format name."""
@@ -211,19 +211,19 @@ def bucketize_counts(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[
     shared = Levels(0.0, work.smallest_subnormal, math.inf)
     cuts = [cut_points(f, work) for f in fmts]
     levels = sorted({*shared, *(c for cs in cuts for c in cs), *HISTOGRAM_EDGES})
-    a = flat.abs()
-    codes = torch.bucketize(a, torch.tensor(levels, dtype=a.dtype, device=a.device),
+    mag = flat.abs()  # |x|
+    codes = torch.bucketize(mag, torch.tensor(levels, dtype=mag.dtype, device=mag.device),
                             right=True, out_int32=True)  # how many levels are <= |x|
-    codes.masked_fill_(torch.isnan(a), 0)  # NaN is >= nothing
+    codes.masked_fill_(torch.isnan(mag), 0)  # NaN is >= nothing
     width, n_seg = len(levels) + 1, len(lengths)
-    finite = a <= work.max
-    seg = torch.repeat_interleave(torch.arange(n_seg, device=a.device),
-                                  torch.tensor(lengths, device=a.device))
+    finite = mag <= work.max
+    seg = torch.repeat_interleave(torch.arange(n_seg, device=mag.device),
+                                  torch.tensor(lengths, device=mag.device))
     table = torch.bincount(seg * width + codes, minlength=n_seg * width).view(n_seg, width)
     extremes = torch.stack([
-        a.new_zeros(n_seg).scatter_reduce(0, seg, torch.where(finite, a, 0), "amax"),
-        a.new_full((n_seg,), math.inf).scatter_reduce(
-            0, seg, torch.where(finite & (a > 0), a, math.inf), "amin")], dim=1)
+        mag.new_zeros(n_seg).scatter_reduce(0, seg, torch.where(finite, mag, 0), "amax"),
+        mag.new_full((n_seg,), math.inf).scatter_reduce(
+            0, seg, torch.where(finite & (mag > 0), mag, math.inf), "amin")], dim=1)
     # ge[:, j] = how many |x| >= levels[j]; one transfer for counts and extremes together.
     ge = table.flip(1).cumsum(1).flip(1)[:, 1:]
     rows = torch.cat([ge.double(), extremes.double()], dim=1).tolist()
@@ -231,13 +231,13 @@ def bucketize_counts(flat: torch.Tensor, lengths: Sequence[int], fmts: Sequence[
     first_bin = len(levels)
     out, amax, min_nz = [], [], []
     for row in rows:
-        counts = [int(v) for v in row[:first_bin]]
+        counts, (row_amax, row_min_nz) = [int(v) for v in row[:first_bin]], row[first_bin:]
         ge_zero, ge_tiniest, ge_inf = (counts[col[v]] for v in shared)
-        # a bin's count = how many >= its lower edge - how many >= its upper edge
+        # mag bin's count = how many >= its lower edge - how many >= its upper edge
         edges = [ge_tiniest, *(counts[col[e]] for e in HISTOGRAM_EDGES), ge_inf]
         out.append(counts + [edges[j] - edges[j + 1] for j in range(len(edges) - 1)])
-        amax.append(row[-2] if ge_zero > ge_inf else math.nan)
-        min_nz.append(row[-1] if ge_tiniest > ge_inf else math.nan)
+        amax.append(row_amax if ge_zero > ge_inf else math.nan)
+        min_nz.append(row_min_nz if ge_tiniest > ge_inf else math.nan)
     return SegmentCounts(tuple(FormatColumns(f.name, *(col[c] for c in cs))
                                for f, cs in zip(fmts, cuts)),
                          Levels(*(col[v] for v in shared)), first_bin, tuple(lengths), amax,

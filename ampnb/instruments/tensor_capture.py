@@ -31,7 +31,7 @@ def _float_tensors(out: object) -> list[tuple[str, torch.Tensor]]:
     """(path suffix, tensor) of the floating-point tensors inside a module output."""
     if isinstance(out, torch.Tensor):  # most modules: no container to walk
         return [("", out)] if out.is_floating_point() else []
-    return [(k, t) for k, t in named_tensors(out) if t.is_floating_point()]
+    return [(path, t) for path, t in named_tensors(out) if t.is_floating_point()]
 
 
 class Capture(TableView, Guard):
@@ -129,21 +129,21 @@ class Capture(TableView, Guard):
         acts, grads = "activation" in self.kinds, "activation_gradient" in self.kinds
 
         def hook(module: nn.Module, args: object, out: object) -> None:
-            for suffix, t in _float_tensors(out):
+            for suffix, tensor in _float_tensors(out):
                 name = base + suffix if suffix else base
                 if acts:
-                    record(t, name, "activation", path)
-                if grads and t.requires_grad:
-                    self._handles.append(t.register_hook(
+                    record(tensor, name, "activation", path)
+                if grads and tensor.requires_grad:
+                    self._handles.append(tensor.register_hook(
                         lambda g, name=name: record(g, name, "activation_gradient", path)))
         return hook
 
     def _grad_hook(self, name: str, path: str):
         """The post-accumulate-grad hook of one parameter: queues its gradient for staging."""
-        def hook(p: torch.Tensor) -> None:
-            g = p.grad
-            if g is not None:
-                self._grads.append((g, name, path))
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is not None:
+                self._grads.append((grad, name, path))
                 task = torch._C._current_graph_task_id()
                 if task == -1:  # called outside a backward: nothing to wait for
                     self._stage_grads()
