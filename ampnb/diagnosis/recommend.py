@@ -104,11 +104,18 @@ def islands(row: ModeRow, layers: tuple[LayerRow, ...], tol: Tolerance,
     return current if keep else None
 
 
+def _lost(row: ModeRow) -> str:
+    return (f"{row.vanishing_updates:.1%} of the weight updates 32-true makes in this step leave "
+            f"the {row.name} weights unchanged (smaller than half a unit in their last place): "
+            "they are lost")
+
+
 def _why_not(row: ModeRow, tol: Tolerance) -> str:
     if not row.finite:
         return f"{row.label}: inf/NaN ({row.nonfinite or 'in the gradients'})"
+    lost = f"; {_lost(row)}" if row.vanishing_updates else ""
     return (f"{row.label}: loss error {row.loss_error:.1e} (tolerance {tol.loss:g}), gradient "
-            f"error {row.grad_error:.1e} (tolerance {tol.grad:g})")
+            f"error {row.grad_error:.1e} (tolerance {tol.grad:g}){lost}")
 
 
 def _speed(row: ModeRow) -> str:
@@ -154,7 +161,6 @@ def _make(row: ModeRow, ref: ModeRow, rows: list[ModeRow], tol: Tolerance,
                        f"loss error {row.loss_error:.1e}, gradient error {row.grad_error:.1e}, "
                        f"{'no inf/NaN' if row.finite else 'still inf/NaN'}")
     if row.vanishing_updates:
-        reasons.append(f"{row.vanishing_updates:.1%} of this step's weight updates are smaller "
-                       f"than half a unit in the last place of their {mode} weights: they vanish")
+        reasons.append(_lost(row))
     return Recommendation(mode, row.keep_fp32, (*reasons, *rejected), code(mode, row.keep_fp32, tf32),
                           before, row if row.keep_fp32 else None, tf32)

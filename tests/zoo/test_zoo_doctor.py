@@ -1,15 +1,18 @@
-"""Every zoo model through the doctor (cheap: 32-true and bf16-mixed, one timed step)."""
+"""Every zoo model through the doctor (cheap: 32-true and bf16-mixed, one timed step); OPT in
+16-true, whose AdamW step turns its weights into NaN."""
 
 from __future__ import annotations
 
 import copy
 import math
 
+import pytest
 import torch
 from zoo_models import Case
 
 import ampnb
 from ampnb._state import snapshot
+from ampnb.formats import get_format
 
 
 def test_doctor_runs_on_zoo_model(case: Case) -> None:
@@ -32,3 +35,22 @@ def test_doctor_runs_on_zoo_model(case: Case) -> None:
     assert leaves and any("bf16-mixed" in lr.local for lr in leaves)
     assert report.recommended.mode in ("32-true", "bf16-mixed")
     assert report.recommended.code and repr(report).startswith("On cpu: use ")
+
+
+def test_opt_16_true_with_adamw_is_not_finite_and_names_eps() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2,
+        max_position_embeddings=32, word_embed_proj_dim=32))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    report = ampnb.doctor(model, batch, optimizer=opt, modes=("32-true", "16-true"), repeat=1,
+                          profile=False)
+    row = report.mode("16-true")
+    assert math.isfinite(row.loss) and not row.finite
+    assert f"AdamW eps={opt.defaults['eps']!r} is 0 in {get_format(torch.float16).name}" \
+        in row.nonfinite
+    assert report.recommended.mode != "16-true"
+    assert report.low_precision is None or report.low_precision.mode != "16-true"
