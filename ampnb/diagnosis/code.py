@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
+from ampnb import recipe_code as rc
 from ampnb.modes import get_mode
-
-LIGHTNING = {"32-true": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed",
-             "bf16-true": "bf16-true", "16-true": "16-true",
-             "transformer-engine": "transformer-engine"}
-ACCELERATE = {"32-true": '"no"', "bf16-mixed": '"bf16"', "16-mixed": '"fp16"',
-              "transformer-engine": '"fp8"'}
 
 _ISLANDS = '''
 def fp32_forward(forward, back_to=None):
@@ -30,39 +25,20 @@ def torch_amp(mode: str, keep: tuple[str, ...], device: str = "cuda", tf32: bool
     """A plain PyTorch training step in the mode, with the kept modules in fp32."""
     m = get_mode(mode)
     dev = "cuda" if device.startswith("cuda") else device.split(":")[0]
-    lines = ["import torch", ""]
-    if tf32:
-        lines += ['torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere+', ""]
-    if not m.is_mixed and mode != "32-true":
-        lines += [f"model = model.to({m.param_dtype})  # {mode}: weights, gradients, optimizer "
-                  "state in one dtype"]
+    lines = ["import torch", "", *rc.tf32_lines("on" if tf32 else None), *rc.model_lines(m)]
     if keep:
-        true = not m.is_mixed and mode != "32-true"
+        cast = rc.cast_dtype(m)
         lines += _ISLANDS.format(dev=dev, names=list(keep),
-                                 widen="    module.float()\n" if true else "",
-                                 back=f", back_to={m.param_dtype}" if true else "").splitlines()
-    if m.uses_scaler:
-        lines += [f'scaler = torch.amp.GradScaler("{dev}")']
-    lines += ["", "for inputs, targets in loader:"]
-    if m.is_mixed:
-        lines += [f'    with torch.autocast("{dev}", dtype={m.autocast_dtype}):',
-                  "        loss = loss_fn(model(inputs), targets)"]
-    elif mode != "32-true":
-        lines += [f"    loss = loss_fn(model(inputs.to({m.param_dtype})), targets)"]
-    else:
-        lines += ["    loss = loss_fn(model(inputs), targets)"]
-    if m.uses_scaler:
-        lines += ["    scaler.scale(loss).backward()", "    scaler.step(optimizer)",
-                  "    scaler.update()"]
-    else:
-        lines += ["    loss.backward()", "    optimizer.step()"]
-    lines += ["    optimizer.zero_grad()"]
+                                 widen="    module.float()\n" if cast else "",
+                                 back=f", back_to={rc.dtype_code(cast)}" if cast else "").splitlines()
+        lines.append("")
+    lines += [*rc.scaler_lines(m, f'"{dev}"'), "", *rc.step_lines(m, rc.Loop(f'"{dev}"'))]
     return "\n".join(lines)
 
 
 def lightning(mode: str, keep: tuple[str, ...]) -> str:
     """Lightning's Trainer (and Fabric) precision string."""
-    line = f'trainer = L.Trainer(precision="{LIGHTNING.get(mode, mode)}")'
+    line = f'trainer = L.Trainer(precision="{rc.lightning_precision(get_mode(mode))}")'
     if keep:
         line += ("  # and in configure_model(): wrap " + ", ".join(keep)
                  + " with fp32_forward as in the torch.amp code")
@@ -71,11 +47,10 @@ def lightning(mode: str, keep: tuple[str, ...]) -> str:
 
 def accelerate(mode: str, keep: tuple[str, ...]) -> str:
     """Accelerate's mixed_precision argument (true modes: cast the model yourself)."""
-    if mode not in ACCELERATE:
-        return (f'accelerator = Accelerator(mixed_precision="no")  # {mode}: '
-                f"model.to({get_mode(mode).param_dtype}) before accelerator.prepare")
-    line = f"accelerator = Accelerator(mixed_precision={ACCELERATE[mode]})"
-    return line + ("  # then wrap " + ", ".join(keep) + " with fp32_forward" if keep else "")
+    call, todo = rc.accelerator_call(get_mode(mode))
+    notes = [f"{mode}: {todo}"] if todo else []
+    notes += ["then wrap " + ", ".join(keep) + " with fp32_forward"] if keep else []
+    return f"accelerator = {call}" + ("  # " + "; ".join(notes) if notes else "")
 
 
 def code(mode: str, keep: tuple[str, ...], device: str, tf32: bool = False) -> str:

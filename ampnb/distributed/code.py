@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from ampnb import recipe_code as rc
 from ampnb.modes import get_mode
 
 STRATEGIES = ("ddp", "fsdp")
@@ -22,27 +21,10 @@ device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_av
 '''
 
 
-def _dt(dtype: torch.dtype) -> str:
-    return f"torch.{str(dtype).removeprefix('torch.')}"
-
-
-def _step(mixed: bool, dtype: str, scaler: bool, true: bool) -> list[str]:
-    loss = "loss_fn(model(x), y)"
-    cast = f"x.to(device, {dtype})" if true else "x.to(device)"
-    lines = ["for x, y in loader:  # each rank loads its own part (DistributedSampler)",
-             f"    x, y = {cast}, y.to(device)" + ("  # inputs in the parameters' dtype" if true else "")]
-    if mixed:
-        lines += [f"    with torch.autocast(device.type, dtype={dtype}):",
-                  f"        loss = {loss}"]
-    else:
-        lines += [f"    loss = {loss}"]
-    if scaler:
-        lines += ["    scaler.scale(loss).backward()  # gradients reduced across ranks here",
-                  "    scaler.step(optimizer)  # skipped on every rank when any rank overflowed",
-                  "    scaler.update()"]
-    else:
-        lines += ["    loss.backward()  # gradients reduced across ranks here", "    optimizer.step()"]
-    return lines + ["    optimizer.zero_grad()"]
+_LOOP = rc.Loop(device_type="device.type", inputs="x", targets="y", to_device="device", notes={
+    "loop": "each rank loads its own part (DistributedSampler)",
+    "backward": "gradients reduced across ranks here",
+    "scaler.step": "skipped on every rank when any rank overflowed"})
 
 
 def torch_code(strategy: str, mode: str) -> str:
@@ -50,19 +32,15 @@ def torch_code(strategy: str, mode: str) -> str:
     m = get_mode(mode)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    dtype = _dt(m.autocast_dtype or m.param_dtype)
-    true = not m.is_mixed and m.name != "32-true"
-    lines = [_LAUNCH, _SETUP, "model = build_model().to(device)"]
-    if true:
-        lines.append(f"model = model.to({dtype})  # {m.name}: parameters, gradients and "
-                     "optimizer state in one dtype")
+    lines = [_LAUNCH, _SETUP, "model = build_model().to(device)", *rc.model_lines(m)]
     if strategy == "ddp":
         lines += ["from torch.nn.parallel import DistributedDataParallel as DDP",
                   "model = DDP(model)  # all-reduces gradients in the parameters' dtype"]
-        autocast = m.is_mixed
+        autocast = True
     else:
         lines += ["from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard", ""]
         if m.is_mixed:
+            dtype = rc.dtype_code(m.autocast_dtype)
             lines += [f"policy = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype=torch.float32)",
                       "for block in model.children():  # one unit per block: all-gathered in turn",
                       "    fully_shard(block, mp_policy=policy)",
@@ -71,26 +49,24 @@ def torch_code(strategy: str, mode: str) -> str:
         else:
             lines += ["for block in model.children():", "    fully_shard(block)", "fully_shard(model)"]
         autocast = False  # FSDP2 casts the unsharded parameters itself
-    lines += ["optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)"]
-    if m.uses_scaler:
-        lines += ["scaler = torch.amp.GradScaler(device.type)  # FSDP2's DTensor gradients "
-                  "agree on found_inf; FSDP1 needs ShardedGradScaler" if strategy == "fsdp"
-                  else "scaler = torch.amp.GradScaler(device.type)"]
-    lines += ["", *_step(autocast, dtype, m.uses_scaler, true), "", "dist.destroy_process_group()"]
+    lines += ["optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)",
+              *rc.scaler_lines(m, _LOOP.device_type, "FSDP2's DTensor gradients agree on found_inf; "
+                               "FSDP1 needs ShardedGradScaler" if strategy == "fsdp" else ""),
+              "", *rc.step_lines(m, _LOOP, autocast=autocast), "", "dist.destroy_process_group()"]
     return "\n".join(lines)
 
 
 def lightning_code(strategy: str, mode: str, nproc: int = 2) -> str:
     """The same run in Lightning: the strategy and precision strings."""
-    m = get_mode(mode)
+    precision = rc.lightning_precision(get_mode(mode))
     lines = ["import lightning as L", ""]
     if strategy == "ddp":
-        lines += [f'trainer = L.Trainer(strategy="ddp", precision="{m.name}", devices={nproc})']
+        lines += [f'trainer = L.Trainer(strategy="ddp", precision="{precision}", devices={nproc})']
     else:
         lines += ["from lightning.pytorch.strategies import ModelParallelStrategy",
                   "# FSDP2: call fully_shard(...) in your LightningModule.configure_model();",
                   '# strategy="fsdp" is FSDP1, with its MixedPrecision set from precision',
-                  f'trainer = L.Trainer(strategy=ModelParallelStrategy(), precision="{m.name}", '
+                  f'trainer = L.Trainer(strategy=ModelParallelStrategy(), precision="{precision}", '
                   f"devices={nproc})"]
     return "\n".join(lines + ["trainer.fit(model, datamodule)"])
 

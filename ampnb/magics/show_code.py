@@ -8,82 +8,80 @@ from typing import Any
 import torch
 
 from ampnb import legacy
+from ampnb import recipe_code as rc
+from ampnb.fp16_kernels import Fp16Kernels, emulates_fp16
 from ampnb.modes import PrecisionMode
 
-# Lightning's precision strings are ampnb's mode names. Accelerate's `mixed_precision` has
-# no "true" half modes: None means "no" plus casting the model yourself.
-ACCELERATE: dict[str, str | None] = {
-    "32-true": "no",
-    "16-mixed": "fp16",
-    "bf16-mixed": "bf16",
-    "16-true": None,
-    "bf16-true": None,
-    "64-true": None,
-    "transformer-engine": "fp8",
-    "transformer-engine-float16": "fp8",
-}
+
+def _indented(code: str) -> list[str]:
+    return textwrap.indent(code, "    ").splitlines()
 
 
-def _dt(dtype: torch.dtype) -> str:
-    return f"torch.{str(dtype).removeprefix('torch.')}"
-
-
-def _tf32_lines(tf32: str | None) -> list[str]:
-    if tf32 is None:
-        return []
-    if tf32 == "emulate":
-        return ["# --tf32 emulate is an ampnb teaching aid (matmul/conv inputs rounded to TF32).",
-                "# On an NVIDIA Ampere+ GPU the real switch is:",
-                "# torch.backends.cuda.matmul.allow_tf32 = True; torch.backends.cudnn.allow_tf32 = True",
-                ""]
-    flag = "True" if tf32 == "on" else "False"
-    return [f"torch.backends.cuda.matmul.allow_tf32 = {flag}  # TF32 matmuls (NVIDIA Ampere+ only)",
-            f"torch.backends.cudnn.allow_tf32 = {flag}  # TF32 convolutions",
-            ""]
+def _mixed(mode: PrecisionMode, device_type: str, cell: str) -> list[str]:
+    dev = f'"{device_type}"'
+    found = rc.backward_outside_autocast(cell, dev)
+    code, trains = found or (cell, False)
+    lines = []
+    if trains:
+        lines += ["# the cell as %%amp ran it: under autocast, its backward outside autocast, and no",
+                  "# autocast-cached weight copy kept across an optimizer.step() (cache_enabled=False)"]
+    elif found is None:
+        lines += ["# a backward in this cell runs outside autocast, as %%amp runs it: wrap it in",
+                  f"# with {rc.autocast_call(dev, enabled=False)}:"]
+    flags = {"cache_enabled": False} if trains else {}
+    return lines + [f"with {rc.autocast_call(dev, mode.autocast_dtype, **flags)}:", *_indented(code)]
 
 
 def _body(mode: PrecisionMode, device_type: str, cell: str) -> list[str]:
-    code = textwrap.indent(cell.strip() or "pass", "    ").splitlines()
-    if mode.autocast_dtype is not None:
-        lines = []
-        if mode.uses_scaler:
-            lines += [f'scaler = torch.amp.GradScaler("{device_type}")  # once, next to the optimizer']
-        lines += [f'with torch.autocast(device_type="{device_type}", dtype={_dt(mode.autocast_dtype)}):',
-                  *code]
-        if mode.uses_scaler:
-            lines += ["# training step: scaler.scale(loss).backward(); scaler.unscale_(optimizer)",
-                      "# before clipping; scaler.step(optimizer); scaler.update()"]
-        else:
-            lines += ["# training step: loss.backward() and optimizer.step() as usual, outside"
-                      " autocast; no GradScaler"]
-        return lines
+    code = cell.strip() or "pass"
+    if mode.is_mixed:
+        return _mixed(mode, device_type, code)
     if mode.param_dtype == torch.float32:
-        return ["# nothing to add: fp32 is PyTorch's default", cell.strip()]
-    dt = _dt(mode.param_dtype)
+        return ["# nothing to add: fp32 is PyTorch's default", code]
+    dt = rc.dtype_code(mode.param_dtype)
     return [f"# tensors and modules created while the default dtype is {dt} are born in it;",
             f"# existing ones keep their dtype: convert them with model.to({dt}), x.to({dt})",
             "previous = torch.get_default_dtype()",
             f"torch.set_default_dtype({dt})",
-            "try:", *code,
+            "try:", *_indented(code),
             "finally:", "    torch.set_default_dtype(previous)"]
 
 
+def _kernels_note(mode: PrecisionMode, device: str | torch.device,
+                  fp16_kernels: str | Fp16Kernels | None) -> list[str]:
+    if mode.compute_dtype != torch.float16 or not emulates_fp16(device, fp16_kernels):
+        return []
+    return ["# on this CPU ampnb ran fp16 products as fp32 kernels rounded once to fp16 (what tensor",
+            "# cores do); plain torch here runs its own fp16 kernels: slower, their sums may round",
+            "# differently (%%amp --fp16-kernels native runs those)",
+            ""]
+
+
+def _recipe(mode: PrecisionMode, device_type: str) -> list[str]:
+    """torch's recipe for a training loop in the mode, as comments beside the cell's code."""
+    if mode.name == "32-true":
+        return []
+    loop = rc.recipe(mode, rc.Loop(device_type=f'"{device_type}"'))
+    return [f"# A training loop under {mode.name}, as torch's AMP recipe writes it:",
+            *(f"#   {line}".rstrip() for line in loop), ""]
+
+
 def show_code(mode: PrecisionMode, device: str | torch.device, tf32: str | None, cell: str,
-              spelled: Any = None) -> str:
+              spelled: Any = None, fp16_kernels: str | Fp16Kernels | None = None) -> str:
     """Plain PyTorch equivalent of running `cell` under mode/device/tf32, plus framework settings.
 
     `spelled` is the mode as the user wrote it: an older Lightning spelling is explained.
+    `fp16_kernels` is the run's choice (None: the process-wide one).
     """
     device_type = torch.device(device).type
-    lines = ["import torch", "", *legacy.code_notes(spelled, mode.name), *_tf32_lines(tf32),
+    lines = ["import torch", "", *legacy.code_notes(spelled, mode.name), *rc.tf32_lines(tf32),
+             *_kernels_note(mode, device, fp16_kernels),
              *(legacy.apex_body(mode.name, cell) or _body(mode, device_type, cell)), ""]
     if mode.name in legacy.APEX_MODES:
         return "\n".join(lines + legacy.apex_code(mode.name))
-    lines.append(f'# Lightning:  L.Fabric(precision="{mode.name}")  or  L.Trainer(precision="{mode.name}")')
-    accelerate = ACCELERATE.get(mode.name)
-    if accelerate is None:
-        lines.append(f'# Accelerate: Accelerator(mixed_precision="no") and model.to({_dt(mode.param_dtype)})'
-                     " yourself: it has no pure low-precision setting")
-    else:
-        lines.append(f'# Accelerate: Accelerator(mixed_precision="{accelerate}")')
-    return "\n".join(lines)
+    precision = rc.lightning_precision(mode)
+    call, todo = rc.accelerator_call(mode)
+    return "\n".join([*lines, *_recipe(mode, device_type),
+                      f'# Lightning:  L.Fabric(precision="{precision}")  or  '
+                      f'L.Trainer(precision="{precision}")',
+                      f"# Accelerate: {call}" + (f"; {todo}" if todo else "")])
