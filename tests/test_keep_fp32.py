@@ -111,3 +111,54 @@ def test_everything_is_undone_also_when_the_body_raises():
         raise RuntimeError("boom")
     assert a.head.forward is user_forward and "forward" not in a.norm.__dict__
     assert a.norm.forward == own and _state.snapshot() == before
+
+
+class Tied(nn.Module):
+    """A language-model head tied to the embedding (`head.weight = emb.weight`)."""
+
+    def __init__(self, vocab: int = 12, hidden: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, hidden)
+        self.body = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.emb(ids))))
+
+
+def test_a_kept_head_tied_to_the_embedding_computes_in_fp32_and_leaves_the_embedding_bf16():
+    model = Tied().to(torch.bfloat16)
+    ids = torch.randint(0, 12, (2, 5), generator=torch.Generator().manual_seed(1))
+    with keep_fp32(model, "head"), trace_ops() as trace:
+        assert model.emb.weight.dtype == torch.bfloat16 and model.head.weight is model.emb.weight
+        out = model(ids)
+        out.float().sum().backward()
+    assert out.dtype == torch.bfloat16  # cast back at the head's boundary
+    head_ops = trace.select(op="mm", module="head")
+    assert head_ops and all(r.output_dtype == "float32" for r in head_ops)
+    assert model.head.weight is model.emb.weight and model.emb.weight.dtype == torch.bfloat16
+    grad = model.emb.weight.grad
+    assert grad is not None and grad.dtype == torch.bfloat16
+    # the head's share of the gradient reaches the shared weight: compare with a hand-written fp32 head
+    ref = Tied().to(torch.bfloat16)
+    h = torch.tanh(ref.body(ref.emb(ids)))
+    nn.functional.linear(h.float(), ref.emb.weight.float()).bfloat16().float().sum().backward()
+    assert torch.equal(grad, ref.emb.weight.grad)
+
+
+def test_widening_kept_modules_for_good_leaves_a_tied_embedding_narrow():
+    """What a true mode's Workbench does to kept modules: the tied weight keeps its dtype."""
+    from ampnb.selective import widen_kept
+
+    model = Tied().to(torch.bfloat16)
+    model.head.bias = nn.Parameter(torch.zeros(12, dtype=torch.bfloat16))
+    widen_kept(model, "head")
+    assert model.head.bias.dtype == torch.float32  # the head's own parameter is widened
+    assert model.emb.weight.dtype == torch.bfloat16 and model.head.weight is model.emb.weight
+    with keep_fp32(model, "head"):
+        out = model(torch.randint(0, 12, (2, 5)))
+    out.float().sum().backward()
+    assert model.emb.weight.grad.dtype == torch.bfloat16 and model.head.bias.grad is not None
+    assert model.head.bias.dtype == torch.float32  # still widened for good
