@@ -51,3 +51,31 @@ def test_split_keeps_the_cells_line_numbers():
     body, last = split_cell("a = 1\nb = 2; a + \\\n  b")
     assert body == "a = 1\nb = 2; " and last.startswith("\na + ")  # still on line 2
     assert eval(compile(last, "<c>", "eval"), {"a": 1, "b": 2}) == 3
+
+
+def test_the_settings_go_as_plain_values_with_what_as_is_meant_here():
+    from ampnb.device import TF32Setting, tf32_state
+    from ampnb.distributed._ship import RankSettings
+    from ampnb.fp16_kernels import Fp16Kernels
+    from ampnb.modes import get_mode
+    from ampnb.step import StepSettings
+
+    s = StepSettings(get_mode("16-mixed"), "cpu", TF32Setting.emulate, Fp16Kernels.NATIVE, ("head",))
+    shipped = RankSettings.of(s)
+    assert shipped == RankSettings("16-mixed", "emulate", "native", ("head",), tf32_state())
+    assert RankSettings.of(StepSettings(get_mode("32-true"), "cpu", None, Fp16Kernels.EMULATED)
+                           ).fp16_kernels == "emulated"  # decided here, not by the rank's CPU
+    payload = pack("", "1", "<cell>", {}, shipped)
+    assert payload.mode == "16-mixed" and payload.settings is shipped
+    assert pack("", "1", "<cell>", {}, "bf16-mixed").settings == RankSettings("bf16-mixed")
+
+
+def test_a_line_that_needs_ipython_is_named_with_its_line():
+    from ampnb.distributed._ship import ipython_lines
+
+    shell = InteractiveShell.instance()
+    source = shell.transform_cell("a = 1\n%time b = 2\n!ls -l\nc = !pwd\nd = 4\n")
+    assert ipython_lines(source) == ["line 2 `%time`", "line 3 `!ls`", "line 4 `!pwd`"]
+    with pytest.raises(ValueError, match="line 2 `%time`, line 3 `!ls`, line 4 `!pwd` need IPython"):
+        pack(*split_cell(source), "<cell>", {}, source=source)
+    assert ipython_lines("import os\nos.system('ls')\n") == []

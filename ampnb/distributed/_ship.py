@@ -18,6 +18,10 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from ampnb.device import TF32State, tf32_state
+from ampnb.fp16_kernels import Fp16Kernels, emulates_fp16
+from ampnb.step import StepSettings
+
 # Names every rank gets from the launcher, and the shell's own, never sent.
 INJECTED = frozenset({"rank", "world_size", "device", "mode"})
 _SHELL = frozenset({"In", "Out", "get_ipython", "exit", "quit", "open"})
@@ -36,15 +40,42 @@ class Item:
 
 
 @dataclass(frozen=True)
+class RankSettings:
+    """A cell's StepSettings as plain values, with what "as is" meant in the notebook.
+
+    `fp16_kernels` is the notebook's decision ('emulated' or 'native'; None: the rank's own
+    setting) and `flags` its TF32 flags, so that a rank runs the products the notebook would.
+    """
+
+    mode: str
+    tf32: str | None = None
+    fp16_kernels: str | None = None
+    keep_fp32: tuple[str, ...] = ()
+    flags: TF32State | None = None
+
+    @classmethod
+    def of(cls, s: StepSettings) -> RankSettings:
+        """The settings of a cell run in this process, for its ranks."""
+        kernels = Fp16Kernels.EMULATED if emulates_fp16(s.device, s.fp16_kernels) else Fp16Kernels.NATIVE
+        return cls(s.mode.name, None if s.tf32 is None else s.tf32.value, kernels.value,
+                   tuple(s.keep_fp32), tf32_state())
+
+
+@dataclass(frozen=True)
 class Payload:
-    """The cell (statements + last expression), what it needs, and the mode to run it under."""
+    """The cell (statements + last expression), what it needs, and the settings to run it under."""
 
     body: str
     last: str | None
     filename: str
     items: tuple[Item, ...] = ()
     files: dict[str, str] = field(default_factory=dict)
-    mode: str | None = None
+    settings: RankSettings | None = None
+
+    @property
+    def mode(self) -> str | None:
+        """The name of the mode the cell runs under (None: none, as plain code)."""
+        return None if self.settings is None else self.settings.mode
 
 
 def split_cell(source: str) -> tuple[str, str | None]:
@@ -131,15 +162,53 @@ def _dumps(value: Any) -> tuple[bytes, list[Any]]:
     return buffer.getvalue(), found
 
 
-def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
-         mode: str | None = None, extra: dict[str, Any] | None = None,
-         source: str | None = None) -> Payload:
-    """The payload for a cell that may use names from ns (ValueError: a name cannot be sent).
+_SHELL_CALLS = {"run_line_magic": "%", "run_cell_magic": "%%", "system": "!", "getoutput": "!"}
 
-    `source` is the cell's whole text (for its tracebacks' lines); `extra` names are sent
-    whatever their name.
+
+def _shell_line(node: ast.AST) -> str | None:
+    """`%time`, `%%timeit`, `!ls` for IPython's transformed `get_ipython().…(…)` call; else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    on = node.func.value
+    if not (isinstance(on, ast.Call) and isinstance(on.func, ast.Name) and on.func.id == "get_ipython"):
+        return None
+    prefix = _SHELL_CALLS.get(node.func.attr)
+    first = node.args[0] if node.args else None
+    if prefix is None or not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+        return f"get_ipython().{node.func.attr}"
+    return prefix + first.value.split()[0] if first.value.strip() else prefix
+
+
+def ipython_lines(source: str) -> list[str]:
+    """The lines of (transformed) cell code that need IPython: magics, shell escapes, get_ipython()."""
+    tree = ast.parse(source)
+    found: dict[int, str] = {}
+    for node in ast.walk(tree):
+        said = _shell_line(node)
+        if said is not None:
+            found[node.lineno] = said
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "get_ipython":
+            found.setdefault(node.lineno, "get_ipython()")
+    return [f"line {n} `{found[n]}`" for n in sorted(found)]
+
+
+def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
+         mode: str | RankSettings | None = None, extra: dict[str, Any] | None = None,
+         source: str | None = None) -> Payload:
+    """The payload for a cell that may use names from ns (ValueError: a name cannot be sent,
+    or a line needs IPython).
+
+    `mode` is a mode's name or the cell's RankSettings; `source` is the cell's whole text
+    (for its tracebacks' lines); `extra` names are sent whatever their name.
     """
     cell = body + ("\n" + last.lstrip("\n") if last else "")
+    shell_only = ipython_lines(source if source is not None else cell)  # the cell's line numbers
+    if shell_only:
+        need = "needs" if len(shell_only) == 1 else "need"
+        raise ValueError(f"{', '.join(shell_only)} {need} IPython, which the ranks (plain Python "
+                         "processes) do not run; write it in Python or run it in a cell "
+                         "without --nproc")
     wanted = _loaded_names(compile(cell, filename, "exec")) | set(extra or ())
     optional = _stored_names(cell)  # bound by the cell itself: sent if possible, else skipped
     ns = {**ns, **(extra or {})}
@@ -179,7 +248,8 @@ def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
     for name in sorted(wanted):
         if name in ns and (name in (extra or {}) or _sendable_name(name)):
             visit(name, ns[name])
-    return Payload(body, last, filename, tuple(items), files, mode)
+    settings = RankSettings(mode) if isinstance(mode, str) else mode
+    return Payload(body, last, filename, tuple(items), files, settings)
 
 
 def _sendable_name(name: str) -> bool:

@@ -1,12 +1,14 @@
 """One rank: run the cell that the launcher sent, write its value or traceback to the job folder.
 
 Runs in a process started by torch's elastic agent (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
-and MASTER_PORT are set). Output goes to `rank{r}.log` at the file-descriptor level, so C++
+and MASTER_PORT are set). The cell runs in `ampnb.step.cell_context` under the notebook's
+settings, with the models it uses found by name as `%%amp` finds them: one process's rules. Output goes to `rank{r}.log` at the file-descriptor level, so C++
 warnings and output printed before a kill come back too.
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import contextlib
 import datetime
@@ -16,14 +18,22 @@ import sys
 import time
 import traceback
 import types
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ampnb._tree import map_tensors
+from ampnb.comparison.snapshot import module_roots, used_names
+from ampnb.device import restore_tf32, tf32_setting
 from ampnb.distributed._ship import unpack
+from ampnb.fp16_kernels import fp16_kernels_choice
+from ampnb.modes import get_mode
+from ampnb.selective import matching_modules
+from ampnb.step import StepSettings, cell_context
 
 
 def _redirect(path: Path) -> None:
@@ -69,20 +79,50 @@ def _device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _run(job: Any, ns: dict[str, Any]) -> Any:
-    from ampnb.modes import get_mode
+KEEP_NEEDS_A_MODEL = ("--keep-fp32 needs a model made before the cell (an nn.Module the cell or "
+                      "the functions it calls use); none found")
 
+
+def cell_models(keep: tuple[str, ...], ns: dict[str, Any], names: Iterable[str]) -> dict[str, nn.Module]:
+    """The models a cell uses (by name), as `%%amp --keep-fp32` finds them; {} when none kept.
+
+    ValueError when modules are kept but the cell uses no model, or a pattern matches nothing.
+    """
+    if not keep:
+        return {}
+    models = module_roots(ns, used_names(names, ns))
+    if not models:
+        raise ValueError(KEEP_NEEDS_A_MODEL)
+    matching_modules(models, keep)  # every pattern must name a module
+    return models
+
+
+def _names(*sources: str | None) -> set[str]:
+    """The names a cell's code uses (as `%%amp` collects them from the cell's syntax tree)."""
+    return {n.id for src in sources if src for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+
+
+def _context(payload: Any, ns: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """The cell's `cell_context` on this rank (its device, the notebook's settings and flags)."""
+    r = payload.settings
+    if r is None:
+        return contextlib.nullcontext()
+    if r.flags is not None:
+        restore_tf32(r.flags)  # the notebook's TF32 flags: what "as is" meant there
+    kernels = None if r.fp16_kernels is None else fp16_kernels_choice(r.fp16_kernels)
+    s = StepSettings(get_mode(r.mode), str(ns["device"]), tf32_setting(r.tf32), kernels, r.keep_fp32)
+    ns["mode"] = s.mode
+    return cell_context(s, cell_models(s.keep_fp32, ns, _names(payload.body, payload.last)))
+
+
+def _run(job: Any, ns: dict[str, Any]) -> Any:
     payload = job["payload"]
     unpack(payload, ns)
-    with contextlib.ExitStack() as stack:
-        if payload.mode is not None:
-            mode = ns["mode"] = get_mode(payload.mode)
-            stack.enter_context(mode.module_init_context())
-            stack.enter_context(mode.forward_context(ns["device"].type))
-        exec(compile(payload.body, payload.filename, "exec"), ns)
-        if payload.last is None:
-            return None
-        return eval(compile(payload.last, payload.filename, "eval"), ns)
+    body = compile(payload.body, payload.filename, "exec")
+    last = None if payload.last is None else compile(payload.last, payload.filename, "eval")
+    with _context(payload, ns):  # the one context a %%amp cell runs in, as on one process
+        exec(body, ns)
+        return None if last is None else eval(last, ns)
 
 
 def main(job_dir: str) -> None:

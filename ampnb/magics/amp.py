@@ -17,6 +17,8 @@ from ampnb.step import StepSettings
 _CELL_ONLY = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "output", "doctor",
               "profile", "fp16_kernels", "keep_fp32", "nproc")
 _ONE_RUN_ONLY = ("trace", "hunt", "memory", "show_code")
+# What watches or repeats this kernel's run, or holds its objects: no meaning on --nproc ranks.
+_NOT_ON_RANKS = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "doctor", "profile")
 
 
 def _flag(name: str) -> str:
@@ -192,12 +194,24 @@ class AmpMagics(Magics):
         return None
 
     def _nproc(self, args: Any, cell: str) -> Any:
-        """--nproc N: the cell on N local ranks (ampnb.magics.nproc)."""
-        from ampnb.magics.nproc import check_options, nproc_cell
+        """--nproc N: the cell on N local ranks, each in the cell's one context (ampnb.magics.nproc)."""
+        from ampnb.distributed._ship import RankSettings
+        from ampnb.magics.cell import compile_cell
+        from ampnb.magics.nproc import nproc_cell
 
-        check_options(args, _flag)
+        used = [_flag(n) for n in _NOT_ON_RANKS if getattr(args, n)]
+        if used:
+            raise UsageError(f"{', '.join(used)} cannot be combined with --nproc (they watch or "
+                             "repeat this kernel's own run, not the ranks'); with --nproc a cell "
+                             "takes MODE, --device, --tf32, --fp16-kernels, --keep-fp32, -o and -q")
         s = self._settings(args)
-        run = nproc_cell(self.shell, cell, s.mode.name, s.device, args.nproc, quiet=args.quiet)
+        if s.keep_fp32:  # the ranks find the same models; say what is wrong before launching
+            try:
+                runs.kept_modules(s, self.shell.user_ns, compile_cell(self.shell, cell).names)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        run = nproc_cell(self.shell, cell, RankSettings.of(s), s.device, args.nproc,
+                         quiet=args.quiet)
         if args.output:
             self.shell.user_ns[args.output] = run
         if not args.quiet:
