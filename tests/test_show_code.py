@@ -9,7 +9,7 @@ from _magics_kit import shell_with_ampnb
 
 from ampnb.device import restore_tf32, tf32_state
 from ampnb.modes import get_mode
-from ampnb.recipe_code import backward_outside_autocast
+from ampnb.recipe_cell import backward_outside_autocast
 
 MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 

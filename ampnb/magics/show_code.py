@@ -11,6 +11,7 @@ from ampnb import legacy
 from ampnb import recipe_code as rc
 from ampnb.fp16_kernels import Fp16Kernels, emulates_fp16
 from ampnb.modes import PrecisionMode
+from ampnb.recipe_cell import backward_outside_autocast
 
 
 def _indented(code: str) -> list[str]:
@@ -19,7 +20,7 @@ def _indented(code: str) -> list[str]:
 
 def _mixed(mode: PrecisionMode, device_type: str, cell: str) -> list[str]:
     dev = f'"{device_type}"'
-    found = rc.backward_outside_autocast(cell, dev)
+    found = backward_outside_autocast(cell, dev)
     code, trains = found or (cell, False)
     lines = []
     if trains:
