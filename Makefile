@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ampnb-installed
 
-.PHONY: lab test unit notebooks notebooks-build browser lint bench gpu-check clean
+.PHONY: lab test unit notebooks notebooks-build browser lint bench gpu-check binder-url binder-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,24 +16,31 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[lab,test]"
 	touch $(STAMP)
 
+# Options for JupyterLab go in LAB_ARGS, e.g. in a container:
+#   make lab LAB_ARGS="--no-browser --ip 0.0.0.0 --port 8899 --IdentityProvider.token=SECRET"
+# As root (many containers) JupyterLab refuses to start without --allow-root: it is added, and said.
+ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root)
+ROOT_NOTE := make lab: running as root (uid 0), so JupyterLab gets --allow-root
+
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/00_quickstart.ipynb $(LAB_ARGS)
+	@$(if $(ROOT_ARGS),echo "$(ROOT_NOTE)")
+	$(VENV)/bin/jupyter lab notebooks/00_quickstart.ipynb $(ROOT_ARGS) $(LAB_ARGS)
 
 test: $(STAMP) lint unit notebooks browser
 
 lint: $(STAMP)
-	$(PY) -m ruff check ampnb tests benchmarks notebooks
+	$(PY) -m ruff check ampnb tests benchmarks notebooks binder
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/browser
 
 notebooks: $(STAMP)
-	$(PY) -m pytest -q --nbval-lax --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider notebooks/*.ipynb
+	$(PY) -m pytest -q --nbval-lax --nbval-sanitize-with notebooks/src/sanitize.cfg -p no:cacheprovider notebooks/*.ipynb
 
-# Rebuild the tutorials from their scripts (notebooks/NN_name.py): execute, keep checked outputs.
-# All of them, or some:  make notebooks-build NB="03 04"
+# Rebuild the tutorials (notebooks/NN_name.ipynb) from their scripts (notebooks/src/NN_name.py):
+# execute, keep checked outputs. All of them, or some:  make notebooks-build NB="03 04"
 notebooks-build: $(STAMP)
-	$(PY) notebooks/build.py $(NB)
+	$(PY) notebooks/src/build.py $(NB)
 
 browser: $(STAMP)
 	$(PY) -m pytest -q tests/browser
@@ -44,6 +51,15 @@ bench: $(STAMP)
 # Every CUDA-only test and the GPU benchmarks, report in artifacts/gpu-check.md (exits 0 without CUDA).
 gpu-check: $(STAMP)
 	$(PY) -m benchmarks.gpu_check
+
+# The mybinder.org launch link of this checkout's GitHub remote (origin), or how to get one.
+binder-url:
+	@$(PYTHON) binder/url.py
+
+# Binder's environment for real: a fresh venv from binder/requirements.txt alone runs every
+# notebook under nbval within Binder's memory (several minutes; .ci/run runs it).
+binder-check: $(STAMP)
+	AMPNB_BINDER_CHECK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_binder.py -k fresh_venv
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache

@@ -33,7 +33,7 @@ class NotebookRun:
 def nbval_command(path: Path) -> list[str]:
     """The Makefile's nbval command, for one notebook."""
     return [sys.executable, "-m", "pytest", "-q", "--nbval-lax", "--nbval-sanitize-with",
-            str(NOTEBOOKS / "sanitize.cfg"), "-p", "no:cacheprovider", str(path)]
+            str(NOTEBOOKS / "src" / "sanitize.cfg"), "-p", "no:cacheprovider", str(path)]
 
 
 def _parents() -> dict[int, int]:

@@ -13,16 +13,17 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_output
 
-DIR = Path(__file__).resolve().parents[1] / "notebooks"
+DIR = Path(__file__).resolve().parents[1] / "notebooks"  # what JupyterLab opens: the tutorials
+SRC = DIR / "src"  # their scripts and the tooling that builds and checks them
 NOTEBOOKS = sorted(DIR.glob("[0-9][0-9]_*.ipynb"))
-SCRIPTS = sorted(DIR.glob("[0-9][0-9]_*.py"))
+SCRIPTS = sorted(SRC.glob("[0-9][0-9]_*.py"))
 CHECK = "# NBVAL_CHECK_OUTPUT"
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d")  # ISO 8601, as kernels stamp messages
 RUN_METADATA = {"execution", "ExecuteTime", "collapsed", "scrolled", "widgets"}
 
 
 def _load_build():
-    spec = importlib.util.spec_from_file_location("notebooks_build", DIR / "build.py")
+    spec = importlib.util.spec_from_file_location("notebooks_build", SRC / "build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -48,6 +49,14 @@ def test_each_notebook_has_its_script_and_each_script_its_notebook():
     assert [p.stem for p in SCRIPTS] == [p.stem for p in NOTEBOOKS]
 
 
+def test_a_learner_opening_notebooks_sees_the_tutorials_and_a_readme_only():
+    # JupyterLab opens on notebooks/: scripts and tooling live one folder down, in src/.
+    # (JupyterLab hides dot files and __pycache__.)
+    shown = {p.name for p in DIR.iterdir() if not p.name.startswith(".") and p.name != "__pycache__"}
+    assert shown == {"README.md", "src", *(p.name for p in NOTEBOOKS)}, sorted(shown)
+    assert (SRC / "build.py").exists() and (SRC / "sanitize.cfg").exists()
+
+
 def test_one_kernelspec_name_in_every_notebook():
     specs = {json.loads(p.read_text())["metadata"]["kernelspec"]["name"] for p in NOTEBOOKS}
     assert specs == {"python3"}
@@ -57,12 +66,12 @@ def test_one_kernelspec_name_in_every_notebook():
 def test_notebook_cells_are_what_jupytext_reads_from_its_script(path):
     # The .py is the source of truth: a lesson edited there but not rebuilt (or edited in the
     # .ipynb only) fails here. Read with jupytext itself, not with build.py.
-    script = jupytext.read(path.with_suffix(".py"), fmt="py:percent")
+    script = jupytext.read(SRC / f"{path.stem}.py", fmt="py:percent")
     want = [(c.cell_type, c.source, dict(c.metadata)) for c in script.cells]
     have = [(c["cell_type"], _source(c), c["metadata"]) for c in _cells(path)]
     assert len(have) == len(want), f"{path.name}: {len(have)} cells, its script makes {len(want)}"
     for i, (w, h) in enumerate(zip(want, have)):
-        assert h == w, f"{path.name} cell {i} differs from {path.with_suffix('.py').name}"
+        assert h == w, f"{path.name} cell {i} differs from src/{path.stem}.py"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -1,12 +1,13 @@
-"""Build the tutorials: each notebooks/NN_name.py (jupytext percent script) -> NN_name.ipynb.
+"""Build the tutorials: each notebooks/src/NN_name.py (jupytext percent) -> notebooks/NN_name.ipynb.
 
-    python notebooks/build.py               # execute and write every notebook
-    python notebooks/build.py 03 04_fp8     # only these (a number, a stem or a path)
-    python notebooks/build.py --check       # no kernel: list notebooks whose cells differ from their script
+    python notebooks/src/build.py               # execute and write every notebook
+    python notebooks/src/build.py 03 04_fp8     # only these (a number, a stem or a path)
+    python notebooks/src/build.py --check       # no kernel: list notebooks whose cells differ from their script
 
-The script is the source of truth. Building executes it (kernel python3, cwd notebooks/, this
-checkout's ampnb first on the path), keeps the outputs of checked cells only (nbval compares only
-stored outputs) and writes canonical JSON without timestamps, so a rebuild is a quiet diff.
+The script is the source of truth. Building executes it (kernel python3, cwd notebooks/ where the
+learner runs it, this checkout's ampnb first on the path), keeps the outputs of checked cells only
+(nbval compares only stored outputs) and writes canonical JSON without timestamps, so a rebuild
+is a quiet diff.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import nbformat
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-NOTEBOOKS = Path(__file__).resolve().parent
+SRC = Path(__file__).resolve().parent  # the scripts and this tooling
+NOTEBOOKS = SRC.parent  # the built .ipynb files, what JupyterLab opens
 ROOT = NOTEBOOKS.parent
 KERNEL = "python3"
 METADATA = {"kernelspec": {"name": KERNEL, "display_name": "Python 3", "language": "python"},
@@ -35,7 +37,7 @@ NEW_CELL = {"code": new_code_cell, "markdown": new_markdown_cell}
 
 def scripts() -> list[Path]:
     """Every tutorial script, in order."""
-    return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+    return sorted(SRC.glob("[0-9][0-9]_*.py"))
 
 
 def resolve(names: list[str]) -> list[Path]:
@@ -115,17 +117,22 @@ def dumps(nb: nbformat.NotebookNode) -> str:
     return nbformat.writes(nb).rstrip("\n") + "\n"
 
 
+def notebook(script: Path) -> Path:
+    """Where a script's notebook is stored: notebooks/NN_name.ipynb."""
+    return NOTEBOOKS / f"{script.stem}.ipynb"
+
+
 def build(script: Path, timeout: int = 300) -> Path:
-    """Execute the script's notebook and write it next to the script."""
+    """Execute the script's notebook and write it to notebooks/."""
     nb = from_script(script)
-    target = script.with_suffix(".ipynb")
+    target = notebook(script)
     target.write_text(dumps(keep_checked_outputs(execute(nb, timeout), nb)))
     return target
 
 
 def stale(script: Path) -> list[str]:
     """How the stored notebook's cells differ from the script's (empty when they agree)."""
-    target = script.with_suffix(".ipynb")
+    target = notebook(script)
     if not target.exists():
         return [f"{target.name} is missing"]
     want, have = from_script(script).cells, nbformat.read(target, as_version=4).cells
