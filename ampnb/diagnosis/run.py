@@ -18,14 +18,11 @@ from ampnb.apex import master_of
 from ampnb.batch import Batch
 from ampnb.device import sync
 from ampnb.diagnosis.candidates import Candidate
-from ampnb.diagnosis.errors import lost_updates
 from ampnb.diagnosis.start import Start, seed
-from ampnb.formats import get_format
+from ampnb.diagnosis.weights import eps_causes, narrow, weights, weights_left
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
-from ampnb.modes import PrecisionMode
 from ampnb.step import StepOutcome, train_step
-from ampnb.workbench.state import nonfinite_params
 
 MIN_SCALE = 2.0**-8  # a loss scale below this means the gradients overflow whatever the scale
 
@@ -136,37 +133,6 @@ def _step(net: nn.Module, opt: torch.optim.Optimizer, setup: Setup, cand: Candid
                       scaler=scaler, before_update=read)
 
 
-def _weights(net: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in net.named_parameters()}
-
-
-def _narrow(mode: PrecisionMode) -> bool:
-    """Weights stored narrower than fp32, where an update can be lost to rounding."""
-    return not mode.is_mixed and mode.param_dtype.itemsize < 4
-
-
-def eps_causes(opt: torch.optim.Optimizer) -> list[str]:
-    """Optimizer groups whose eps rounds to 0 in their weights' dtype (0/0 = NaN where a
-    gradient entry is 0), e.g. 'AdamW eps=1e-08 is 0 in fp16'."""
-    found = []
-    for group in opt.param_groups:
-        eps = group.get("eps")
-        if not isinstance(eps, float) or eps <= 0:
-            continue
-        for dtype in dict.fromkeys(p.dtype for p in group["params"] if p.is_floating_point()):
-            if float(torch.tensor(eps, dtype=dtype)) == 0:
-                found.append(f"{type(opt).__name__} eps={eps!r} is 0 in {get_format(dtype).name}")
-    return list(dict.fromkeys(found))
-
-
-def _weights_cause(bad: tuple[str, ...], total: int, causes: list[str]) -> str:
-    where = f"the optimizer step left {len(bad)} of {total} parameters inf/NaN ({bad[0]}" + (
-        ", ...)" if len(bad) > 1 else ")")
-    if causes:
-        return f"{where}: {'; '.join(causes)}, so every zero gradient entry gives 0/0 = NaN"
-    return where
-
-
 def _first_floats(obj: Any) -> torch.Tensor | None:
     found = [t.detach().reshape(-1).float() for t in tensors(obj) if t.is_floating_point()]
     return torch.cat(found) if found else None
@@ -218,27 +184,13 @@ def _keep(net: nn.Module, keep: tuple[str, ...]) -> contextlib.AbstractContextMa
     return keep_fp32(net, keep) if keep else contextlib.nullcontext()
 
 
-def _left(net: nn.Module, opt: torch.optim.Optimizer, before: dict[str, torch.Tensor],
-          ref: StepResult | None) -> dict[str, Any]:
-    """What the step left in the weights: parameters inf/NaN (and why, when known) and the
-    share of 32-true's nonzero updates that left this mode's weight unchanged."""
-    bad = nonfinite_params(net, opt)
-    lost = None
-    if before and ref is not None and ref.before:
-        lost = lost_updates(ref.before, ref.after, before,
-                            {n: p.detach() for n, p in net.named_parameters()})
-    total = sum(1 for _ in net.parameters())
-    return dict(bad_weights=bad, lost_updates=lost,
-                weights_cause=_weights_cause(bad, total, eps_causes(opt)) if bad else "")
-
-
 def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference: bool = False,
             ref: StepResult | None = None) -> StepResult:
     """One instrumented step: outputs per module, first inf/NaN op, memory, loss, gradients,
     and the weights it left (lost updates measured against `ref`, 32-true's result)."""
     net, opt = _copy(setup, cand)
     scaler = cand.mode.make_scaler(setup.device)
-    before = _weights(net) if reference or (ref is not None and _narrow(cand.mode)) else {}
+    before = weights(net) if reference or (ref is not None and narrow(cand.mode)) else {}
     rec = _Recorder(net, inputs=reference)
     grads: dict[str, torch.Tensor] = {}
     t0 = time.perf_counter()
@@ -250,23 +202,23 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
         rec.remove()
     seconds = time.perf_counter() - t0
     loss, scale = float(out.loss.float()), out.scale
-    left = _left(net, opt, before, ref)
+    found_left = weights_left(net, opt, before, ref)
     step_ok = math.isfinite(loss) and _all_finite(grads)
     # The hunter checks every op (slow), so it runs only to find where a broken step broke
     # (and, for weights left inf/NaN, only when no known cause names it).
     found = NonFinite(False)
-    unknown = left["bad_weights"] and not eps_causes(opt)
+    unknown = found_left["bad_weights"] and not eps_causes(opt)
     if not step_ok or unknown:
         found = hunt(setup, cand, keep, scale)
     if step_ok and unknown and found.op:
-        left["weights_cause"] += f": {found.message}"
+        found_left["weights_cause"] += f": {found.message}"
     result = dict(name=cand.name, loss=loss, grads=grads, outputs=rec.outputs,
                   amax={k: _amax(v) for k, v in rec.outputs.items()}, nonfinite=found,
                   saved_bytes=meter.peak_bytes, param_bytes=_nbytes(net.parameters()),
                   grad_bytes=_nbytes(p.grad for p in net.parameters()),
                   optimizer_bytes=_nbytes(v for st in opt.state.values() for v in st.values()),
                   scale=scale, inputs=rec.inputs, before=before if reference else {},
-                  after=_weights(net) if reference else {}, seconds=seconds, **left)
+                  after=weights(net) if reference else {}, seconds=seconds, **found_left)
     if scale is not None and math.isfinite(loss) and not _all_finite(grads):
         result.update(_rescale(setup, cand, keep, scale, found, ref))
     return StepResult(**result)
@@ -285,11 +237,11 @@ def _step_at(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
              ref: StepResult | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The step with a GradScaler starting at `scale`: (unscaled gradients, what it left)."""
     net, opt = _copy(setup, cand)
-    before = _weights(net) if ref is not None and _narrow(cand.mode) else {}
+    before = weights(net) if ref is not None and narrow(cand.mode) else {}
     grads: dict[str, torch.Tensor] = {}
     with _keep(net, keep), cand.context(setup.device):
         _step(net, opt, setup, cand, _scaler(cand, setup.device, scale), grads)
-    return grads, _left(net, opt, before, ref)
+    return grads, weights_left(net, opt, before, ref)
 
 
 def _rescale(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
