@@ -156,17 +156,18 @@ def test_trace_shows_the_ops_that_ran_in_bf16(ip, case):
     assert "bfloat16" in _reported_match_outputs(ip, run) and "ran in lower precision" in text
 
 
-def test_a_single_train_step_under_bf16_mixed_is_the_cell_under_autocast(ip, case):
+def test_a_single_train_step_under_bf16_mixed_is_torchs_recipe(ip, case):
     model = ip.user_ns["model"]
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     batch = ip.user_ns["batch"]
     torch.manual_seed(0)
-    try:  # %%amp runs the whole cell, backward and step included, under autocast
+    try:  # torch's recipe: autocast around forward and loss; backward and step outside
+        ref_opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            ref_opt.zero_grad()
-            step_loss(batch.call(ref), batch, ip.user_ns["loss_fn"]).backward()
-            ref_opt.step()
+            loss = step_loss(batch.call(ref), batch, ip.user_ns["loss_fn"])
+        loss.backward()
+        ref_opt.step()
     except RuntimeError as e:
         if case.name == "lstm" and _onednn_refuses(e):
             pytest.skip("oneDNN refuses nn.LSTM under bf16 autocast on this CPU")
