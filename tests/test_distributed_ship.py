@@ -79,3 +79,13 @@ def test_a_line_that_needs_ipython_is_named_with_its_line():
     with pytest.raises(ValueError, match="line 2 `%time`, line 3 `!ls`, line 4 `!pwd` need IPython"):
         pack(*split_cell(source), "<cell>", {}, source=source)
     assert ipython_lines("import os\nos.system('ls')\n") == []
+
+
+def test_a_model_and_its_optimizer_stay_sharing_their_parameters():
+    shell = InteractiveShell.instance()
+    shell.run_cell("import torch\nnet = torch.nn.Linear(2, 2)\n"
+                   "opt = torch.optim.SGD(net.parameters(), lr=0.1)\nother = torch.ones(1)\n")
+    payload, ns = _rebuilt(shell, "opt.step()\nnet(other)")
+    assert ns["opt"].param_groups[0]["params"][0] is ns["net"].weight  # a step moves the model
+    assert ns["net"] is not shell.user_ns["net"] and payload.shared is not None
+    assert _rebuilt(shell, "net(other)")[0].shared is None  # nothing shared: nothing sent twice

@@ -18,6 +18,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ampnb.device import TF32State, tf32_state
 from ampnb.fp16_kernels import Fp16Kernels, emulates_fp16
 from ampnb.step import StepSettings
@@ -71,6 +73,7 @@ class Payload:
     items: tuple[Item, ...] = ()
     files: dict[str, str] = field(default_factory=dict)
     settings: RankSettings | None = None
+    shared: bytes | None = None  # the values that share tensors (a model and its optimizer), together
 
     @property
     def mode(self) -> str | None:
@@ -144,22 +147,24 @@ def source_of(obj: Any) -> tuple[str, int, str]:
 
 
 class _Finder(pickle.Pickler):
-    """A pickler that notes the notebook functions and classes a value refers to."""
+    """A pickler that notes the notebook functions and classes a value refers to, and its tensors."""
 
-    def __init__(self, buffer: io.BytesIO, found: list[Any]) -> None:
+    def __init__(self, buffer: io.BytesIO, found: list[Any], tensors: set[int]) -> None:
         super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-        self.found = found
+        self.found, self.tensors = found, tensors
 
     def reducer_override(self, obj: Any) -> Any:
         if _from_notebook(obj):
             self.found.append(obj)
+        elif isinstance(obj, torch.Tensor):
+            self.tensors.add(id(obj))
         return NotImplemented
 
 
-def _dumps(value: Any) -> tuple[bytes, list[Any]]:
-    buffer, found = io.BytesIO(), []
-    _Finder(buffer, found).dump(value)
-    return buffer.getvalue(), found
+def _dumps(value: Any) -> tuple[bytes, list[Any], set[int]]:
+    buffer, found, tensors = io.BytesIO(), [], set()
+    _Finder(buffer, found, tensors).dump(value)
+    return buffer.getvalue(), found, tensors
 
 
 _SHELL_CALLS = {"run_line_magic": "%", "run_cell_magic": "%%", "system": "!", "getoutput": "!"}
@@ -215,6 +220,8 @@ def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
     items: list[Item] = []
     files = {filename: source if source is not None else cell}
     done: set[str] = set()
+    owner: dict[int, str] = {}  # tensor id -> the first name whose value holds it
+    linked: set[str] = set()    # names whose values share a tensor with another name's
 
     def visit(name: str, value: Any) -> None:
         if name in done:
@@ -233,7 +240,7 @@ def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
                         visit(dep, ns[dep])
                 items.append(Item("source", name, (path, start, src, value.__name__)))
                 return
-            data, found = _dumps(value)
+            data, found, held = _dumps(value)
         except (pickle.PicklingError, TypeError, AttributeError, OSError, SyntaxError) as e:
             if name in optional:
                 return
@@ -243,13 +250,21 @@ def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
         for obj in found:
             if obj.__qualname__ == obj.__name__:
                 visit(obj.__name__, obj)
+        for t in held:
+            first = owner.setdefault(t, name)
+            if first != name:
+                linked.update((first, name))
         items.append(Item("pickle", name, data))
 
     for name in sorted(wanted):
         if name in ns and (name in (extra or {}) or _sendable_name(name)):
             visit(name, ns[name])
     settings = RankSettings(mode) if isinstance(mode, str) else mode
-    return Payload(body, last, filename, tuple(items), files, settings)
+    # Pickled one by one, an optimizer would step copies of its model's parameters: the values
+    # that share tensors also go in one pickle, which keeps them shared.
+    shared = pickle.dumps({n: ns[n] for n in sorted(linked)}, protocol=pickle.HIGHEST_PROTOCOL) \
+        if linked else None
+    return Payload(body, last, filename, tuple(items), files, settings, shared)
 
 
 def _sendable_name(name: str) -> bool:
@@ -271,3 +286,5 @@ def unpack(payload: Payload, ns: dict[str, Any]) -> None:
             ns[item.name] = ns[defined]
         else:
             ns[item.name] = pickle.loads(item.data)
+    if payload.shared is not None:  # once every class is defined: the values, still sharing
+        ns.update(pickle.loads(payload.shared))
