@@ -7,25 +7,15 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from ampnb.distributed._ship import pack, split_cell
+from ampnb.distributed._ship import RankSettings, pack, split_cell
 from ampnb.distributed.launcher import DistributedRun, RankFailed, check_nproc, launch
 from ampnb.magics.cell import CellSyntaxError
 
-# Options that watch or repeat one process's run: they have no meaning across ranks.
-ALONE = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "doctor", "profile", "tf32")
 
-
-def check_options(args: Any, flag: Any) -> None:
-    """UsageError when --nproc is combined with an option it does not support."""
-    used = [flag(n) for n in ALONE if getattr(args, n, None)]
-    if used:
-        raise UsageError(f"{', '.join(used)} cannot be combined with --nproc; with --nproc a "
-                         "cell takes MODE, --device, -o and -q")
-
-
-def nproc_cell(shell: Any, cell: str, mode: str, device: str, nproc: int,
+def nproc_cell(shell: Any, cell: str, settings: RankSettings, device: str, nproc: int,
                quiet: bool = False) -> DistributedRun:
-    """Run the cell on nproc ranks under mode; print each rank's output; RankFailed if one failed."""
+    """Run the cell on nproc ranks under the settings (each rank enters the cell context);
+    print each rank's output; RankFailed if one failed."""
     __tracebackhide__ = True  # noqa: F841
     try:
         check_nproc(nproc, device)
@@ -38,7 +28,7 @@ def nproc_cell(shell: Any, cell: str, mode: str, device: str, nproc: int,
         raise CellSyntaxError(shell, e) from None
     filename = shell.compile.cache(source, shell.execution_count, raw_code=cell)
     try:
-        payload = pack(body, last, filename, shell.user_ns, mode, source=source)
+        payload = pack(body, last, filename, shell.user_ns, settings, source=source)
     except ValueError as e:
         raise UsageError(str(e)) from None
     run = launch(payload, nproc, device)
