@@ -22,7 +22,27 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _GET_KERNEL = hasattr(torch.library, "get_kernel")  # torch >= 2.9
 _LOCK = threading.Lock()
 _active: tuple[KernelOverride, ...] = ()  # entered and not yet exited, oldest first
-_registered: dict[tuple[Any, str], torch.library.Library] = {}  # (op, key) -> its one override
+# (op, key) -> the library holding ampnb's one override of it; the pairs one block adds share a
+# library (one registration per block, not per op), dropped when no entered block needs any of them
+_registered: dict[tuple[Any, str], torch.library.Library] = {}
+_COMPUTED = getattr(torch._C, "_dispatch_get_computed_kernel_for_dispatch_key", None)
+_DISPATCH_KEYS: dict[str, Any] = {}  # "CPU" -> torch._C.DispatchKey.CPU, looked up once
+
+
+def current_kernel(op: Any, key: str) -> Any:
+    """The kernel torch runs now for (op, key): `torch.library.get_kernel`, without its per-call
+    lookups (a dispatch-key table built on every call) where torch's own reader is there."""
+    if _COMPUTED is None:
+        return torch.library.get_kernel(op, key)
+    found = _DISPATCH_KEYS.get(key)
+    if found is None:
+        found = _DISPATCH_KEYS[key] = torch._C.DispatchKey.__members__[key]
+    return _COMPUTED(_name(op), found)
+
+
+def _name(op: Any) -> str:
+    """'aten::mm' for aten.mm.default, 'aten::add.Tensor' for aten.add.Tensor; a name as it is."""
+    return op._name if isinstance(op, torch._ops.OpOverload) else op
 
 
 def _device_keys(keys: Iterable[str]) -> tuple[str, ...]:
@@ -58,14 +78,11 @@ class KernelOverride:
                 mode.__enter__()
                 self._mode = mode
             else:
-                try:
-                    for key in self.keys:
-                        for op in self.ops:
-                            if (op, key) not in _registered:
-                                _registered[(op, key)] = _register(op, key)
-                except BaseException:
-                    _unregister_unused()
-                    raise
+                new = [(op, key) for key in self.keys for op in self.ops
+                       if (op, key) not in _registered]
+                if new:
+                    lib = _register(new)  # all or none
+                    _registered.update(dict.fromkeys(new, lib))
             _active = (*_active, self)
         return self
 
@@ -80,9 +97,23 @@ class KernelOverride:
                 _unregister_unused()  # the previous kernels are back where none needs ours
 
 
-def _register(op: Any, key: str) -> torch.library.Library:
-    """ampnb's one override of (op, key): torch's kernel wrapped by every active override."""
-    boxed = torch.library.get_kernel(op, key).call_boxed
+def _register(pairs: list[tuple[Any, str]]) -> torch.library.Library:
+    """ampnb's one override of each (op, key), in one library: torch's kernel wrapped by every
+    active override."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # torch warns once that aten kernels are overridden
+            warnings.filterwarnings("ignore", message="Warning only once for all operators")
+            for op, key in pairs:
+                lib.impl(_name(op), _kernel(op, key), key, with_keyset=True)
+    except BaseException:
+        lib._destroy()
+        raise
+    return lib
+
+
+def _kernel(op: Any, key: str) -> Callable[..., Any]:
+    boxed = current_kernel(op, key).call_boxed  # torch's kernel, or an override made before ours
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         def call(*a: Any, **k: Any) -> Any:
@@ -92,15 +123,7 @@ def _register(op: Any, key: str) -> torch.library.Library:
                 call = functools.partial(_step, override, op, call)
         return call(*args, **kwargs)
 
-    lib = torch.library.Library("aten", "IMPL")
-    try:
-        with warnings.catch_warnings():  # torch warns once that aten kernels are overridden
-            warnings.filterwarnings("ignore", message="Warning only once for all operators")
-            lib.impl(op, kernel, key, with_keyset=True)
-    except BaseException:
-        lib._destroy()
-        raise
-    return lib
+    return kernel
 
 
 def _step(override: KernelOverride, op: Any, call: Callable[..., Any], /, *args: Any,
@@ -136,9 +159,15 @@ def _key(args: Any) -> str:
 
 
 def _unregister_unused() -> None:
+    """Destroy each library none of whose overrides an entered block needs (its pairs' kernels
+    are torch's again); with blocks entered and left in order, that is every unneeded pair."""
     needed = {(op, key) for o in _active for key in o.keys for op in o.ops}
-    for pair in [p for p in _registered if p not in needed]:
-        _registered.pop(pair)._destroy()
+    kept = {id(lib) for pair, lib in _registered.items() if pair in needed}
+    unused = {id(lib): lib for lib in _registered.values() if id(lib) not in kept}
+    for pair in [p for p, lib in _registered.items() if id(lib) in unused]:
+        del _registered[pair]
+    for lib in unused.values():
+        lib._destroy()
 
 
 def live_overrides() -> int:

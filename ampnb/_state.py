@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,34 +26,75 @@ def _dispatch_mode_depth() -> int:
         return -1
 
 
+@functools.cache
+def _emulated_ops() -> tuple:
+    from ampnb.fp16_kernels import EMULATED
+
+    return tuple(EMULATED)
+
+
 def _product_kernels() -> tuple:
     """Where the CPU kernels of the products ampnb may emulate were registered: an override
     left behind (by ampnb's fp16 emulation or anyone) shows up as a changed entry."""
-    from ampnb.fp16_kernels import EMULATED
+    from ampnb._kernels import current_kernel
 
     try:
-        return tuple(sorted(repr(torch.library.get_kernel(op, "CPU")) for op in EMULATED))
+        return tuple(sorted(repr(current_kernel(op, "CPU")) for op in _emulated_ops()))
     except (AttributeError, RuntimeError):  # an older torch without get_kernel
         return ()
 
 
-def _call(fn_path: str, *args: object) -> object:
-    """Call a reader that only some torch builds have; None where it is absent or refuses."""
+@functools.cache
+def _reader(fn_path: str) -> Callable[..., object] | None:
+    """torch's function at a dotted path, or None where this build lacks it (resolved once)."""
     obj: object = torch
     try:
         for part in fn_path.split("."):
             obj = getattr(obj, part)
-        return obj(*args)
+    except AttributeError:
+        return None
+    return obj if callable(obj) else None
+
+
+def _call(fn_path: str, *args: object) -> object:
+    """Call a reader that only some torch builds have; None where it is absent or refuses."""
+    fn = _reader(fn_path)
+    if fn is None:
+        return None
+    try:
+        return fn(*args)
     except (AttributeError, RuntimeError, TypeError):
         return None
 
 
 _FP32_PAIRS = tuple((b, o) for b in ("generic", "cuda", "mkldnn") for o in ("all", "matmul", "conv", "rnn"))
+_FP32_GETTER = "_C._get_fp32_precision_getter"
+
+
+@functools.cache
+def _fp32_readable() -> tuple[bool, ...]:
+    """Which of _FP32_PAIRS this build can read (torch refuses some pairs; that never changes)."""
+    getter = _reader(_FP32_GETTER)
+    readable = []
+    for b, o in _FP32_PAIRS:
+        try:
+            getter(b, o)  # type: ignore[misc]
+            readable.append(True)
+        except (AttributeError, RuntimeError, TypeError):
+            readable.append(False)
+    return tuple(readable)
 
 
 def _fp32_precision_pairs() -> tuple:
-    """Every raw (backend, op) fp32_precision entry, as torch >= 2.9 stores it."""
-    return tuple((b, o, _call("_C._get_fp32_precision_getter", b, o)) for b, o in _FP32_PAIRS)
+    """Every raw (backend, op) fp32_precision entry, as torch >= 2.9 stores it (None: unreadable)."""
+    getter = _reader(_FP32_GETTER)
+    if getter is None:
+        return tuple((b, o, None) for b, o in _FP32_PAIRS)
+    try:
+        return tuple((b, o, getter(b, o) if ok else None)
+                     for (b, o), ok in zip(_FP32_PAIRS, _fp32_readable(), strict=True))
+    except (AttributeError, RuntimeError, TypeError):  # never seen: read each pair the slow way
+        return tuple((b, o, _call(_FP32_GETTER, b, o)) for b, o in _FP32_PAIRS)
 
 
 def _autocast_flags() -> tuple:

@@ -75,20 +75,27 @@ def _recipe_cell(mode: str, dtype: torch.dtype, device: str) -> str:
             + textwrap.indent(cell, "    "))
 
 
+def _clock(device: str) -> Any:
+    """This thread's CPU time on a CPU (one torch thread: the whole step runs here, and other
+    processes on a shared machine do not count); wall time where a GPU does the work."""
+    return time.thread_time if torch.device(device).type == "cpu" else time.perf_counter
+
+
 def _overhead(ip: Any, mode: str, dtype: torch.dtype, device: str) -> list[Result]:
-    hand = _recipe_cell(mode, dtype, device)
+    hand, clock = _recipe_cell(mode, dtype, device), _clock(device)
     times = interleaved_medians({
         "hand": lambda: _run(ip, hand),
         "amp": lambda: _run(ip, f"%%amp {mode} --device {device}\n{CELL}"),
         "amp -q": lambda: _run(ip, f"%%amp {mode} --device {device} -q\n{CELL}"),
-    }, repeat=REPEAT, warmup=WARMUP, device=device)
+    }, repeat=REPEAT, warmup=WARMUP, device=device, clock=clock)
     # The same pair on a one-line cell: the fixed cost per cell, free of the step's noise.
     tiny = "_bench_z = 1\n"
     empty = interleaved_medians({
         "hand": lambda: _run(ip, _autocast_cell(tiny, dtype, device)),
         "amp": lambda: _run(ip, f"%%amp {mode} --device {device}\n{tiny}"),
-    }, repeat=REPEAT, warmup=WARMUP, device=device)
-    name = f"%%amp {mode} overhead (demo gpt train step, {device}, 1 thread)"
+    }, repeat=REPEAT, warmup=WARMUP, device=device, clock=clock)
+    timed = "thread CPU time" if clock is time.thread_time else "wall time"
+    name = f"%%amp {mode} overhead (demo gpt train step, {device}, 1 thread, {timed})"
     ratio, quiet = times["amp"] / times["hand"], times["amp -q"] / times["hand"]
     fixed = empty["amp"] - empty["hand"]
     return [

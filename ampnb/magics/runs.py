@@ -14,6 +14,7 @@ from ampnb import _state
 from ampnb.comparison.snapshot import module_roots, used_names
 from ampnb.device import (
     TF32Setting,
+    TF32State,
     get_device,
     support,
     sync,
@@ -94,10 +95,19 @@ def mode_notes(s: StepSettings, mode: PrecisionMode, models: dict[str, nn.Module
     return notes
 
 
-def _tf32_text(s: StepSettings) -> str:
+def _tf32_text(s: StepSettings, state: _state.TorchState | None = None) -> str:
+    """TF32 as the cell ran it; `state`: a snapshot taken after the cell (read anew if None)."""
     if s.tf32 is None:
-        return ("on" if tf32_state().matmul else "off") + " (as is)"
+        return ("on" if _matmul_tf32(state) else "off") + " (as is)"
     return "emulated" if s.tf32 is TF32Setting.emulate else s.tf32.value
+
+
+def _matmul_tf32(state: _state.TorchState | None) -> bool:
+    """Whether fp32 matmuls may use TF32, from the snapshot the cell's state note reads anyway."""
+    if state is None or state.matmul_precision is None:  # torch refused: the switch reads past it
+        return tf32_state().matmul
+    pairs = tuple(p for p in state.fp32_precision_pairs if p[2] is not None)
+    return TF32State(state.matmul_precision, bool(state.cudnn_allow_tf32), pairs).matmul
 
 
 def _notes(s: StepSettings, mode: PrecisionMode, emulation: Any = None) -> list[str]:
@@ -166,9 +176,9 @@ def run_once(shell: Any, cell: str, s: StepSettings, args: Any) -> AmpRun:
             raise
     emulation = entered[0][0]
     made = watch.made(value)
+    after = _state.snapshot()
     notes = (_notes(s, s.mode, emulation) + mode_notes(s, s.mode, models)
-             + _true_mode_note(s.mode, made)
-             + _state_note(before, _state.snapshot()))
+             + _true_mode_note(s.mode, made) + _state_note(before, after))
     code = show_code(s.mode, s.device, s.tf32, cell, args.mode) if args.show_code else None
-    return AmpRun(s.mode.name, s.device, _tf32_text(s), seconds, made, tuple(notes), value,
+    return AmpRun(s.mode.name, s.device, _tf32_text(s, after), seconds, made, tuple(notes), value,
                   code=code, extras=instruments.reports(probes))
