@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import fields
 from typing import Any
@@ -15,6 +16,7 @@ from ampnb.comparison.snapshot import module_roots, used_names
 from ampnb.device import (
     TF32Setting,
     TF32State,
+    cpu_features,
     get_device,
     support,
     sync,
@@ -22,7 +24,7 @@ from ampnb.device import (
     tf32_state,
 )
 from ampnb.device import tf32_setting as _core_tf32_setting
-from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
+from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.magics import instruments
 from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
@@ -110,14 +112,24 @@ def _matmul_tf32(state: _state.TorchState | None) -> bool:
     return TF32State(state.matmul_precision, bool(state.cudnn_allow_tf32), pairs).matmul
 
 
-def _notes(s: StepSettings, mode: PrecisionMode, emulation: Any = None) -> list[str]:
-    notes = []
-    found = support(mode, s.device)
+@functools.lru_cache(maxsize=64)
+def _support_note(mode: PrecisionMode, device: str, fp16_kernels: Fp16Kernels,
+                  features: frozenset[str]) -> str:
+    """How the mode runs on the device when not natively ('' when natively): the same for
+    every cell under the same process-wide fp16 kernels and CPU features, so read once."""
+    found = support(mode, device)
     # fp16 on a CPU: mode_notes says how its products ran under this run's --fp16-kernels
-    kernels = fp16_kernels_note(s.device)  # '' off the CPU
+    kernels = fp16_kernels_note(device, fp16_kernels)  # '' off the CPU
     said_by_mode_notes = bool(kernels) and kernels in found.reason
     if found.ok and not found.native and not said_by_mode_notes:
-        notes.append(f"{mode.name} on {s.device}: {found.reason}")
+        return f"{mode.name} on {device}: {found.reason}"
+    return ""
+
+
+def _notes(s: StepSettings, mode: PrecisionMode, emulation: Any = None) -> list[str]:
+    notes = []
+    if said := _support_note(mode, s.device, fp16_kernels_choice(), cpu_features()):
+        notes.append(said)
     if mode.name.startswith("transformer-engine"):
         # %%amp cannot swap the layers of models the cell did not make; say where FP8 happens.
         notes.append(f"{mode.name}: only FP8 layers run in FP8 (convert a model with "
