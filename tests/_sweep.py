@@ -4,6 +4,8 @@ A real "interrupt kernel" is a SIGINT: Python runs the SIGINT handler at the nex
 default handler raises KeyboardInterrupt there. Where ampnb holds SIGINT back
 (`ampnb._interrupt.deferred`), the handler is `_hold`, which only records it. The sweep calls
 whatever handler is installed at the chosen line, so it sees exactly what a user would.
+Every delivered interrupt must also reach the caller: one that the run swallowed, or that
+Python reported as unraisable (raised in a finalizer, where it is lost), is a leak too.
 """
 
 from __future__ import annotations
@@ -67,6 +69,24 @@ def points(total: int, budget: int) -> list[int]:
     return sorted({1 + round(i * (total - 1) / (budget - 1)) for i in range(budget)})
 
 
+def interrupt_at(k: int, fn: Callable[[], Any]) -> tuple[str | None, list[str]]:
+    """Run fn with an interrupt at its k-th ampnb line: (where it fired, how it was lost)."""
+    counter, unraisable = LineCounter(stop_at=k), []
+    previous, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    reached = False
+    try:
+        counter.run(fn)
+    except KeyboardInterrupt:
+        reached = True
+    finally:
+        sys.unraisablehook = previous
+    if any(issubclass(u.exc_type, KeyboardInterrupt) for u in unraisable):
+        return counter.fired_at, ["the interrupt was ignored in a finalizer"]
+    if counter.fired_at and not reached:
+        return counter.fired_at, ["the interrupt never reached the caller"]
+    return counter.fired_at, []
+
+
 def sweep(setup: Callable[[], Any], run: Callable[[Any], Any],
           check: Callable[[Any], list[str]], budget: int) -> tuple[int, list[str]]:
     """Interrupt `run(setup())` at sampled lines; returns (points tried, leak descriptions)."""
@@ -75,15 +95,12 @@ def sweep(setup: Callable[[], Any], run: Callable[[Any], Any],
     tried = points(total, budget)
     for k in tried:
         world = setup()
-        counter = LineCounter(stop_at=k)
-        try:
-            counter.run(lambda w=world: run(w))
-        except KeyboardInterrupt:
-            pass
+        fired_at, lost = interrupt_at(k, lambda w=world: run(w))
         try:
             problems = check(world)
         except KeyboardInterrupt:  # a held interrupt that surfaced only after the run
             problems = ["an interrupt held during the run was raised only afterwards"]
+        problems += lost
         if problems:
-            leaks.append(f"line {k}/{total} at {counter.fired_at}: {'; '.join(problems)}")
+            leaks.append(f"line {k}/{total} at {fired_at}: {'; '.join(problems)}")
     return len(tried), leaks

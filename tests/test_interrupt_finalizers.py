@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import ast
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _sweep import PACKAGE, LineCounter, lines_of, points
+from _sweep import PACKAGE, sweep
 from doctor_models import Plain, data
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from torch import nn
 
 import ampnb
-from ampnb import _interrupt
+from ampnb import _interrupt, _state
 
 BUDGET = int(os.environ.get("AMPNB_SWEEP_BUDGET", "60")) or 10**9
 _WEAK = {"ref", "proxy", "WeakMethod", "finalize"}
@@ -66,30 +65,16 @@ def test_no_ampnb_code_runs_in_a_finalizer():
 
 
 def lost_interrupts(fn, budget: int) -> tuple[int, list[str]]:
-    """Interrupt fn at sampled ampnb lines; returns (points tried, interrupts that were lost).
-
-    Lost: the interrupt was delivered but fn returned, or Python reported a KeyboardInterrupt
-    as unraisable (raised in a finalizer), or it was still held after fn ended.
-    """
-    total = lines_of(fn)
-    lost, tried = [], points(total, budget)
-    for k in tried:
-        counter, unraisable = LineCounter(stop_at=k), []
-        previous, sys.unraisablehook = sys.unraisablehook, unraisable.append
-        reached = False
-        try:
-            counter.run(fn)
-        except KeyboardInterrupt:
-            reached = True
-        finally:
-            sys.unraisablehook = previous
-        swallowed = [u for u in unraisable if issubclass(u.exc_type, KeyboardInterrupt)]
-        held = bool(_interrupt._pending)
+    """Interrupt fn at sampled ampnb lines; returns (points tried, interrupts that were lost
+    or left torch state behind)."""
+    def check(before: _state.TorchState) -> list[str]:
+        problems = ["the interrupt was still held after the run"] if _interrupt._pending else []
         _interrupt._pending.clear()
-        if swallowed or held or (counter.fired_at and not reached):
-            why = "ignored in a finalizer" if swallowed else "still held" if held else "lost"
-            lost.append(f"line {k}/{total} at {counter.fired_at}: {why}")
-    return len(tried), lost
+        after = _state.snapshot()
+        changed = [k for k in before.__dataclass_fields__ if getattr(before, k) != getattr(after, k)]
+        return problems + ([f"torch state changed: {', '.join(changed)}"] if changed else [])
+
+    return sweep(_state.snapshot, lambda _: fn(), check, budget)
 
 
 @pytest.fixture(scope="module")

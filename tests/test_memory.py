@@ -60,6 +60,19 @@ def test_saved_bytes_match_autograd_saved_tensors(dtype):
     assert m.live == 0  # backward freed every saved tensor
 
 
+def test_frees_count_before_the_next_save_and_when_read():
+    model, x, _ = _mlp()
+    with memory_meter() as one:
+        out = model(x).sum()
+    with memory_meter() as m:
+        for _ in range(3):  # each graph is freed before the next is built: one graph at most
+            out = model(x).sum()
+            assert m.live == one.peak_bytes
+            del out
+        assert m.live == 0
+    assert m.peak_bytes == one.peak_bytes > 0 and m.tensors == 3 * one.tensors
+
+
 def test_bf16_halves_saved_activations_and_true_halves_state():
     model, x, y = _mlp()
     before = [p.detach().clone() for p in model.parameters()]
