@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ampnb._tree import tensors
-from ampnb.batch import as_batch
+from ampnb.batch import Batch, as_batch
 from ampnb.display import dtype_name
 from ampnb.scaler.records import StepRecord, flat_grads, grad_stats, measure
 from ampnb.scaler.state import Parts, StepState
@@ -46,16 +46,38 @@ def loss_access(output: Any) -> str:
     return "['loss']" if isinstance(output, Mapping) else ".loss"
 
 
+class _Placed(Batch):
+    """A batch already on the device: `to()` has nothing to move (a move walks and rebuilds
+    every container, at every micro-step)."""
+
+    def to(self, device: str | torch.device) -> Batch:
+        return self
+
+
+def _batch(p: Parts, raw: Any) -> Batch:
+    """raw as a Batch; one found on the device is kept as placed (the cycle keeps raw alive,
+    so its id stays its own)."""
+    found = p.placed.get(id(raw))
+    if found is not None:
+        return found
+    batch = as_batch(raw, p.loss_fn)
+    if id(raw) not in p.placed:
+        on = all(t.device == p.device for t in tensors((batch.args, batch.kwargs, batch.targets)))
+        p.placed[id(raw)] = _Placed(batch.args, batch.kwargs, batch.targets) if on else None
+    return batch
+
+
 def prepare_forward(p: Parts, s: StepState) -> tuple[Any, torch.Tensor]:
     """The forward and the loss of the next batch; interruptible (nothing kept is changed)."""
-    batch = as_batch(p.batches[s.batch_index], p.loss_fn)
+    batch = _batch(p, p.batches[s.batch_index])
     return forward_loss(p.mode, p.model, batch, p.loss_fn, p.device)
 
 
 def forward(p: Parts, s: StepState, prepared: tuple[Any, torch.Tensor]) -> Fields:
     outputs, loss = prepared
     value = loss.item()
-    out = next((t for t in tensors(outputs) if t.is_floating_point()), None)
+    out = outputs if isinstance(outputs, torch.Tensor) else next(
+        (t for t in tensors(outputs) if t.is_floating_point()), None)
     s.loss = loss
     s.batch_index += 1
     s.losses.append(value)
@@ -86,8 +108,9 @@ def _inject(p: Parts, kind: str, layer: str | None) -> tuple[str, int]:
 def backward(p: Parts, s: StepState, _: Any = None) -> Fields:
     loss, s.loss = s.loss, None
     p.mode.backward(loss, p.scaler)  # the mode's hook: scaler.scale(loss).backward()
-    # What backward multiplied (scale() again, on the detached loss): read with the statistics.
-    scaled = p.scaler.scale(loss.detach())
+    # What backward took (scale() again on the detached loss; disabled, scale() hands the loss
+    # back as it is): read back with the gradient statistics.
+    scaled = p.scaler.scale(loss.detach()) if p.enabled else loss
     note = ("gradients are scaled (x scale) and summed over micro-steps" if p.enabled
             else NO_SCALER_BACKWARD)
     if s.injection is not None:
@@ -102,7 +125,8 @@ def backward(p: Parts, s: StepState, _: Any = None) -> Fields:
 
 def unscale(p: Parts, s: StepState, _: Any = None) -> Fields:
     p.scaler.unscale_(p.optimizer)
-    unscaled = flat_grads(p.params)
+    # Disabled, unscale_ returns at once: the gradients are those the last backward left.
+    unscaled = flat_grads(p.params) if p.enabled else s.scaled_grads
     # Kept for the before/after-scaling histogram; one copy each, replaced every step.
     s.last_grads = {"scaled": s.scaled_grads, "unscaled": unscaled, "scale": s.scale}
     # The scaler's found_inf flags are read back with the statistics: one sync, not two.

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ampnb.batch import Batch
 from ampnb.modes import PrecisionMode
 from ampnb.scaler.batches import BatchCycle
 from ampnb.scaler.records import GradStats, StepRecord
@@ -31,6 +32,8 @@ class Parts:
     settings: ScalerSettings
     batches: BatchCycle
     params: list[torch.nn.Parameter]
+    # id(raw batch) -> its Batch when already on the device (None: moved at each forward)
+    placed: dict[int, Batch | None] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:

@@ -164,7 +164,7 @@ class ScalerStepper:
     @loss_fn.setter
     def loss_fn(self, fn: Callable[[Any, Any], torch.Tensor] | None) -> None:
         self._loss_fn = fn
-        self._parts = dataclasses.replace(self._parts, loss_fn=fn)
+        self._parts = dataclasses.replace(self._parts, loss_fn=fn, placed={})
 
     @property
     def step_index(self) -> int:
@@ -265,12 +265,15 @@ class ScalerStepper:
     def next_stage(self) -> StageRecord:
         """Run the next stage of the loop and return its record."""
         with self._context():
-            stage = self._plan[self._cursor]
-            # The forward's work can be interrupted: until the stage commits, nothing kept changed.
-            prepared = None if stage.prepare is None else stage.prepare(self._parts, self.state)
-            # From here the stage happens and is recorded as one: an interrupt waits for its end.
-            with deferred():
-                return self._commit(stage, prepared)
+            return self._next()
+
+    def _next(self) -> StageRecord:
+        stage = self._plan[self._cursor]
+        # The forward's work can be interrupted: until the stage commits, nothing kept changed.
+        prepared = None if stage.prepare is None else stage.prepare(self._parts, self.state)
+        # From here the stage happens and is recorded as one: an interrupt waits for its end.
+        with deferred():
+            return self._commit(stage, prepared)
 
     def _commit(self, stage: stage_table.Stage, prepared: Any) -> StageRecord:
         """Run a stage and record it; called with SIGINT held back."""
@@ -289,25 +292,28 @@ class ScalerStepper:
             self.state = state.next_step(state.scale_now)  # update() has read the new scale
         return record
 
+    def _finish_step(self) -> StepRecord:
+        """The current step's remaining stages (at least one), inside the step's context."""
+        self._next()
+        while self._cursor and self._plan[self._cursor].micro:
+            self._next()
+        # The boundary stages are quick (no forward or backward): one held section for them all.
+        with deferred():
+            while self._cursor:
+                self._commit(self._plan[self._cursor], None)
+        return self.history[-1]
+
     def step(self) -> StepRecord:
         """Finish the current optimizer step (all its remaining stages) and return its record."""
         with self._context():
-            self.next_stage()
-            while self._cursor and self.current_stage.micro:
-                self.next_stage()
-            # The boundary stages are quick (no forward or backward): one held section for
-            # them all.
-            with deferred():
-                while self._cursor:
-                    self._commit(self.current_stage, None)
-        return self.history[-1]
+            return self._finish_step()
 
     def run(self, n: int) -> list[StepRecord]:
         """Run n optimizer steps (in one step context: its set-up is paid once)."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n={n!r} is not allowed; it must be an integer >= 0.")
         with self._context():
-            return [self.step() for _ in range(n)]
+            return [self._finish_step() for _ in range(n)]
 
     # ----- checkpoints --------------------------------------------------------------------
 
