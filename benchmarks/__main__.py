@@ -8,6 +8,7 @@ import sys
 import traceback
 
 import benchmarks
+from benchmarks import results
 from benchmarks._common import Result
 
 
@@ -19,13 +20,16 @@ def _modules(selected: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     rows: list[Result] = []
+    by_module: dict[str, list[Result]] = {}
     for name in _modules(argv):
         print(f"running {name} ...", file=sys.stderr, flush=True)
         try:
-            rows.extend(importlib.import_module(f"benchmarks.{name}").run())
+            found = importlib.import_module(f"benchmarks.{name}").run()
+            by_module[name] = found
         except Exception:  # noqa: BLE001 - one broken benchmark must not hide the others
             traceback.print_exc()
-            rows.append(Result(name, "error (see above)", None, "-", False))
+            found = [Result(name, "error (see above)", None, "-", False)]
+        rows.extend(found)
     headers = ("benchmark", "measured", "ratio", "goal", "met")
     cells = [(r.name, r.figure, "-" if r.ratio is None else f"{r.ratio:.2f}", r.goal,
               {True: "yes", False: "NO", None: "n/a"}[r.ok]) for r in rows]
@@ -34,6 +38,8 @@ def main(argv: list[str]) -> int:
         print("  ".join(str(x).ljust(w) for x, w in zip(c, widths)))
         if k == 0:
             print("  ".join("-" * w for w in widths))
+    if by_module:
+        print(f"results written to {results.write(by_module)}", file=sys.stderr)
     return 0
 
 
