@@ -265,11 +265,12 @@ def test_compare_keep_fp32_equals_a_hand_written_fp32_region():
     net, x, run = _mlp_work()
     result = compare(run, ["bf16-mixed"], repeat=1, keep_fp32="2", model=net)
     net.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # compare runs the whole work under it
-        h = net[1](net[0](x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # compare runs the work as %%amp does:
+        h = net[1](net[0](x))                           # all under autocast but backward
         with torch.autocast("cpu", enabled=False):
             out = net[2](h.float())
-        out.float().square().mean().backward()
+        loss = out.float().square().mean()
+    loss.backward()
     expected = {"out": out.detach(), "grad": net[0].weight.grad}
     plain = compare(run, ["bf16-mixed"], repeat=1)
     row, ref = result.row("bf16-mixed"), result.reference

@@ -162,3 +162,30 @@ def test_widening_kept_modules_for_good_leaves_a_tied_embedding_narrow():
     out.float().sum().backward()
     assert model.emb.weight.grad.dtype == torch.bfloat16 and model.head.bias.grad is not None
     assert model.head.bias.dtype == torch.float32  # still widened for good
+
+
+def test_the_workbench_keeps_a_head_tied_to_the_embedding_in_fp32():
+    """bf16-true with the tied head kept: the step runs; the embedding stays bf16."""
+    from ampnb import Workbench
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.head = torch.nn.Linear(16, 32, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    torch.manual_seed(0)
+    model = Tied()
+    ids = torch.randint(0, 32, (4, 8))
+    batches = [(ids, ids)]
+    loss_fn = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+    wb = Workbench(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batches)
+    wb.set(mode="bf16-true", keep_fp32="head")
+    record = wb.step()
+    assert wb.model.emb.weight.dtype == torch.bfloat16
+    assert wb.model.head.weight is wb.model.emb.weight
+    assert record.nonfinite == () and record.loss == record.loss

@@ -17,7 +17,7 @@ from ampnb.display import Table, TableView, dtype_name
 from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
-from ampnb.selective import matching_modules
+from ampnb.selective import matching_modules, widen_kept
 from ampnb.step import StepSettings, forward_loss, step_context, train_step
 from ampnb.workbench.inputs import check_inputs, output_dtype
 from ampnb.workbench.records import StepRecord, history_table, nonfinite_note, speedup
@@ -339,8 +339,7 @@ class Workbench(TableView):
         converted = mode.convert_module(model)
         self.model = model if converted is None else converted
         if self._keep and mode.param_dtype in _NARROW:  # kept modules keep fp32 weights
-            for kept in matching_modules(self.model, self._keep).values():
-                kept.float()
+            widen_kept(self.model, self._keep)  # but not weights tied to modules not kept
         # Loaded after the conversion, so each value is rounded once, from the master itself.
         master.load_into(self.model)
         repoint_optimizer(self.optimizer, before, list(self.model.parameters()),
