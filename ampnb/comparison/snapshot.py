@@ -22,6 +22,7 @@ from torch import nn
 
 from ampnb._tree import named_leaves
 from ampnb.modes import PrecisionMode
+from ampnb.selective import matching_modules
 
 TENSOR_BUDGET = 256 * 2**20  # free tensors copied up to this many bytes; larger ones are watched
 _SKIP = {"In", "Out", "exit", "quit", "get_ipython"}
@@ -335,3 +336,21 @@ class StartState:
         items = [f"{p} ({k})" for p, k in self.found.items()]
         more = f" and {len(items) - limit} more" if len(items) > limit else ""
         return (", ".join(items[:limit]) + more) or "no module, optimizer, scaler or scheduler"
+
+
+KEEP_NEEDS_A_MODEL = ("--keep-fp32 needs a model made before the cell (an nn.Module the cell or "
+                      "the functions it calls use); none found")
+
+
+def cell_models(keep: tuple[str, ...], ns: dict[str, Any], names: Iterable[str]) -> dict[str, nn.Module]:
+    """The models a cell uses (by name), as `%%amp --keep-fp32` finds them; {} when none kept.
+
+    ValueError when modules are kept but the cell uses no model, or a pattern matches nothing.
+    """
+    if not keep:
+        return {}
+    models = module_roots(ns, used_names(names, ns))
+    if not models:
+        raise ValueError(KEEP_NEEDS_A_MODEL)
+    matching_modules(models, keep)  # every pattern must name a module
+    return models

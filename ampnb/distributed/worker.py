@@ -18,21 +18,18 @@ import sys
 import time
 import traceback
 import types
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ampnb._tree import map_tensors
-from ampnb.comparison.snapshot import module_roots, used_names
+from ampnb.comparison.snapshot import cell_models
 from ampnb.device import restore_tf32, tf32_setting
 from ampnb.distributed._ship import unpack
 from ampnb.fp16_kernels import fp16_kernels_choice
 from ampnb.modes import get_mode
-from ampnb.selective import matching_modules
 from ampnb.step import StepSettings, cell_context
 
 
@@ -77,24 +74,6 @@ def _device(kind: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-KEEP_NEEDS_A_MODEL = ("--keep-fp32 needs a model made before the cell (an nn.Module the cell or "
-                      "the functions it calls use); none found")
-
-
-def cell_models(keep: tuple[str, ...], ns: dict[str, Any], names: Iterable[str]) -> dict[str, nn.Module]:
-    """The models a cell uses (by name), as `%%amp --keep-fp32` finds them; {} when none kept.
-
-    ValueError when modules are kept but the cell uses no model, or a pattern matches nothing.
-    """
-    if not keep:
-        return {}
-    models = module_roots(ns, used_names(names, ns))
-    if not models:
-        raise ValueError(KEEP_NEEDS_A_MODEL)
-    matching_modules(models, keep)  # every pattern must name a module
-    return models
 
 
 def _names(*sources: str | None) -> set[str]:

@@ -12,7 +12,7 @@ from IPython.display import Pretty, display
 from ampnb._interrupt import Guard
 from ampnb._tree import tensors
 from ampnb.comparison import Work, compare
-from ampnb.comparison.snapshot import StartState, used_names
+from ampnb.comparison.snapshot import KEEP_NEEDS_A_MODEL, StartState, used_names
 from ampnb.display import dtype_name
 from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
@@ -99,8 +99,7 @@ def run_compare(shell: Any, cell: str, s: StepSettings, modes_text: str, repeat:
         progress = _Progress(quiet)
         models = start.used_modules() if s.keep_fp32 else None
         if s.keep_fp32 and not models:
-            raise UsageError("--keep-fp32 needs a model made before the cell (an nn.Module the "
-                             "cell or the functions it calls use); none found")
+            raise UsageError(KEEP_NEEDS_A_MODEL)
         try:
             result = compare(work, [m.name for m in modes], s.device, repeat=repeat, tf32=s.tf32,
                              progress=progress, fp16_kernels=s.fp16_kernels,

@@ -12,7 +12,7 @@ from IPython.core.error import UsageError
 from torch import nn
 
 from ampnb import _state
-from ampnb.comparison.snapshot import module_roots, used_names
+from ampnb.comparison.snapshot import cell_models
 from ampnb.device import (
     TF32Setting,
     TF32State,
@@ -77,14 +77,7 @@ def settings(mode: Any, device: Any, tf32: Any, fp16_kernels: Any = None,
 
 def kept_modules(s: StepSettings, ns: dict[str, Any], names: Any) -> dict[str, nn.Module]:
     """The models the cell uses (by name) when --keep-fp32 is given, else {}; ValueError if none."""
-    if not s.keep_fp32:
-        return {}
-    models = module_roots(ns, used_names(names, ns))
-    if not models:
-        raise ValueError("--keep-fp32 needs a model made before the cell (an nn.Module the cell "
-                         "or the functions it calls use); none found")
-    matching_modules(models, s.keep_fp32)  # every pattern must name a module
-    return models
+    return cell_models(s.keep_fp32, ns, names)
 
 
 def mode_notes(s: StepSettings, mode: PrecisionMode, models: dict[str, nn.Module]) -> list[str]:
