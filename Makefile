@@ -59,7 +59,7 @@ binder-url:
 # Binder's environment for real: a fresh venv from binder/requirements.txt alone runs every
 # notebook under nbval within Binder's memory (several minutes; .ci/run runs it).
 binder-check: $(STAMP)
-	AMPNB_BINDER_CHECK=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_binder.py -k fresh_venv
+	AMPNB_BINDER_CHECK=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_binder.py -k fresh_venv
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache
