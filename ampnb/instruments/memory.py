@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._interrupt import deferred
+from ampnb._interrupt import Guard, deferred
 from ampnb._tree import tensors
 from ampnb.apex import master_of
 from ampnb.batch import as_batch, model_loss, step_loss
@@ -41,16 +41,18 @@ class _Held:
         self.tensor = tensor
 
 
-class MemoryMeter(TableView):
+class MemoryMeter(TableView, Guard):
     """`with memory_meter() as m:` tracks live bytes saved for backward (peak), and CUDA's peak.
 
     The one meter: %%amp --memory, memory_report and every Workbench step use it. No ampnb
     code runs when autograd frees a saved tensor (a KeyboardInterrupt raised in a finalizer
     is lost): the weak reference to each `_Held` has a builtin list's `append` as callback,
-    and the meter settles those frees the next time it packs or is read.
+    and the meter settles those frees the next time it packs or is read. A Guard: the hooks
+    are pushed and popped whole, and an interrupt while pushing pops them before it is raised.
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
+        Guard.__init__(self, self._attach, self._detach)
         self.device = torch.device(device)
         self.peak_bytes = self.tensors = self._live = 0
         self.cuda_peak_bytes: int | None = None
@@ -63,18 +65,16 @@ class MemoryMeter(TableView):
     def _on_cuda(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_available()
 
-    def __enter__(self) -> MemoryMeter:
+    def _attach(self) -> MemoryMeter:
         if self._on_cuda():  # CUDA's peak "above start": what this block allocated at most
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_start = torch.cuda.memory_allocated(self.device)
-        with deferred():  # the hooks are pushed, or not: never half
-            self._hooks.__enter__()
+        self._hooks.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        with deferred():
-            self._hooks.__exit__(*exc)
+    def _detach(self, _: object = None) -> None:
+        self._hooks.__exit__(None, None, None)
         if self._on_cuda():
             torch.cuda.synchronize(self.device)
             self.cuda_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._cuda_start
