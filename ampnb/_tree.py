@@ -74,6 +74,8 @@ def named_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
 
 def tensors(obj: Any) -> list[torch.Tensor]:
     """Every tensor inside obj, in order (fast path for the plain containers of op arguments)."""
+    if isinstance(obj, torch.Tensor):  # the commonest case, without a tree walk
+        return [obj]
     found = []
     for leaf in pytree.tree_leaves(obj, is_leaf=_unknown_container):
         if isinstance(leaf, torch.Tensor):
@@ -85,6 +87,9 @@ def tensors(obj: Any) -> list[torch.Tensor]:
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """obj with fn applied to every tensor inside it; containers keep their types."""
+    if isinstance(obj, torch.Tensor):  # the commonest case, without a tree walk
+        return fn(obj)
+
     def one(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return fn(leaf)

@@ -158,9 +158,13 @@ class PrecisionMode(TableView):
         optimizer stepping inside (a %%amp cell)."""
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler | None = None) -> None:
-        """Fabric's `backward`: the loss, scaled when there is a GradScaler, backward."""
-        (loss if scaler is None else scaler.scale(loss)).backward()
+    def backward(self, loss: torch.Tensor,
+                 scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+        """Fabric's `backward`: the loss, scaled when there is a GradScaler, backward; returns
+        what was backpropagated (the scaled loss)."""
+        scaled = loss if scaler is None else scaler.scale(loss)
+        scaled.backward()
+        return scaled
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer,
                        scaler: torch.amp.GradScaler | None = None,

@@ -107,10 +107,9 @@ def _inject(p: Parts, kind: str, layer: str | None) -> tuple[str, int]:
 
 def backward(p: Parts, s: StepState, _: Any = None) -> Fields:
     loss, s.loss = s.loss, None
-    p.mode.backward(loss, p.scaler)  # the mode's hook: scaler.scale(loss).backward()
-    # What backward took (scale() again on the detached loss; disabled, scale() hands the loss
-    # back as it is): read back with the gradient statistics.
-    scaled = p.scaler.scale(loss.detach()) if p.enabled else loss
+    # The mode's hook: scaler.scale(loss).backward(); it returns what backward took (a disabled
+    # scaler hands the loss back as it is), read back with the gradient statistics.
+    scaled = p.mode.backward(loss, p.scaler).detach()
     note = ("gradients are scaled (x scale) and summed over micro-steps" if p.enabled
             else NO_SCALER_BACKWARD)
     if s.injection is not None:
