@@ -19,9 +19,9 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ampnb._interrupt import Guard, deferred
+from ampnb._weak import WeakIdMap
 from ampnb.display import Table, TableView
 from ampnb.formats import get_format
 
@@ -30,7 +30,7 @@ LEGACY = "legacy (APEX), emulated with native torch"
 # defaults of torch.amp.GradScaler, which is used as is (APEX also capped the scale at 2**24).
 
 # fp16 Parameter -> (its fp32 master, the fp16 value last written from that master).
-_MASTERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_MASTERS = WeakIdMap()
 
 
 def _cast_own(m: nn.Module, dtype: torch.dtype) -> None:

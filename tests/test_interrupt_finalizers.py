@@ -27,6 +27,9 @@ from ampnb import _interrupt, _state
 
 BUDGET = int(os.environ.get("AMPNB_SWEEP_BUDGET", "60")) or 10**9
 _WEAK = {"ref", "proxy", "WeakMethod", "finalize"}
+# torch's and the standard library's weak containers drop dead keys from a Python callback.
+_WEAK_CONTAINERS = {"WeakIdKeyDictionary", "WeakKeyDictionary", "WeakValueDictionary",
+                    "WeakSet", "WeakTensorKeyDictionary"}
 
 
 def _finalizers(source: str) -> list[str]:
@@ -40,6 +43,9 @@ def _finalizers(source: str) -> list[str]:
             continue
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(
             node.func, "id", "")
+        if name in _WEAK_CONTAINERS:
+            found.append(f"line {node.lineno}: {name}() removes dead keys in a Python callback")
+            continue
         if name not in _WEAK:
             continue
         callback = node.args[1] if len(node.args) > 1 else next(
@@ -53,9 +59,10 @@ def _finalizers(source: str) -> list[str]:
 def test_the_finalizer_check_finds_each_kind():
     source = ("class A:\n    def __del__(self): pass\n"
               "weakref.finalize(a, f)\nweakref.ref(a, lambda r: None)\n"
-              "weakref.ref(a, callback=forget)\nweakref.ref(a, dead.append)\nweakref.ref(a)\n")
+              "weakref.ref(a, callback=forget)\nweakref.ref(a, dead.append)\nweakref.ref(a)\n"
+              "m = WeakIdKeyDictionary()\n")
     assert [f.split(":")[0] for f in _finalizers(source)] == ["line 2", "line 3", "line 4",
-                                                              "line 5"]
+                                                              "line 5", "line 8"]
 
 
 def test_no_ampnb_code_runs_in_a_finalizer():

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ampnb._tree import map_tensors, named_leaves, tensors
+from ampnb._weak import WeakIdMap
 from ampnb.display import Table, TableView, dtype_name
 from ampnb.formats import get_format
 from ampnb.instruments.trace import OpWatch, internal, is_internal
@@ -159,7 +159,7 @@ class Hunter(OpWatch):
         self.ops = self.deliberate = 0
         # Tensors made inside the run that hold (or may hold) inf/NaN: allocations, inf/NaN
         # constants and what flowed from them. inf/NaN in any other input came from outside.
-        self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._made: WeakIdMap = WeakIdMap()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

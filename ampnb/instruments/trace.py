@@ -26,7 +26,6 @@ from __future__ import annotations
 import fnmatch
 import functools
 import threading
-import weakref
 from collections import Counter
 from contextlib import ContextDecorator
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampnb._interrupt import Guard
 from ampnb._tree import tensors
+from ampnb._weak import WeakIdMap
 from ampnb.display import Table, TableView, dtype_name
 
 CATEGORIES = ("lowered", "kept", "promoted", "cast", "other")
@@ -286,7 +286,6 @@ class OpWatch(Guard, ContextDecorator, TorchDispatchMode):
 
 
 DETAILS = ("full", "summary")
-_SWEEP_MIN = 1024  # marks kept before the first sweep of dead ones
 
 
 class OpTrace(TableView, OpWatch):
@@ -305,22 +304,11 @@ class OpTrace(TableView, OpWatch):
         # detail="summary": (func, phase is backward, input dtypes, output dtype, cast marks);
         # names and categories are made once per distinct key, on reading
         self._fast: Counter[tuple] = Counter()
-        # cast tensor -> dtype before: id -> (weak ref, dtype); a dict lookup per input is the
-        # common case, and WeakIdKeyDictionary made a weak reference for every lookup. The refs
-        # have no callback (ampnb code in a finalizer would lose a KeyboardInterrupt raised
-        # there): dead entries are dropped when the dict has doubled since the last sweep.
-        self._source: dict[int, tuple[weakref.ref, str]] = {}
-        self._sweep_at = _SWEEP_MIN
-
-    def _cast_mark(self, t: torch.Tensor) -> str | None:
-        seen = self._source.get(id(t))
-        return seen[1] if seen is not None and seen[0]() is t else None
-
-    def _mark(self, t: torch.Tensor, dtype: str) -> None:
-        self._source[id(t)] = (weakref.ref(t), dtype)
-        if len(self._source) >= self._sweep_at:  # amortized: one sweep per doubling
-            self._source = {k: v for k, v in self._source.items() if v[0]() is not None}
-            self._sweep_at = max(_SWEEP_MIN, 2 * len(self._source))
+        # cast tensor -> dtype before (a lookup by identity per input, no weak reference made
+        # per lookup, no code run when a tensor dies)
+        self._source = WeakIdMap()
+        self._cast_mark = self._source.get
+        self._mark = self._source.__setitem__
 
     @property
     def grouped(self) -> Counter[OpRow]:
