@@ -194,7 +194,6 @@ def test_weights_are_those_at_entry_even_after_an_optimizer_step():
         _same(cap.get(name, "weight"), before[name])
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # one in __del__
 def test_an_interrupt_at_any_line_leaves_no_hook_on_the_model():
     from test_trace import _interrupt_at
 
