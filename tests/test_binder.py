@@ -218,8 +218,9 @@ def test_the_makefile_offers_binder_url_and_binder_check():
 # `make binder-check` (called by .ci/run), not `make unit`.
 BINDER_CHECK = os.environ.get("AMPNB_BINDER_CHECK") == "1"
 BINDER_MEMORY = 2 * 10**9  # Binder gives a session 1-2 GB
-# What repo2docker's image brings itself (it runs Jupyter), plus nbval to check the outputs.
-NOTEBOOK_TOOLS = ["ipykernel", "nbval"]
+# What repo2docker's image brings itself (it runs Jupyter), plus nbval and pytest-timeout
+# (pyproject's per-test timeout) to check the outputs.
+NOTEBOOK_TOOLS = ["ipykernel", "nbval", "pytest-timeout"]
 INDEX_OPTIONS = ("--index-url", "--extra-index-url", "-i")
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "artifacts", "build", "dist", "*.egg-info",
                                      "__pycache__", ".*_cache", ".ipynb_checkpoints")
