@@ -24,9 +24,9 @@ from ampnb.diagnosis.profile import Profile, profile_run
 from ampnb.diagnosis.recommend import ISLAND_MODES, Tolerance, choose, islands
 from ampnb.diagnosis.report import DoctorReport
 from ampnb.diagnosis.run import Setup, StepResult, measure, time_steps
-from ampnb.diagnosis.start import started
 from ampnb.formats import get_format
 from ampnb.modes import get_mode
+from ampnb.start import started
 
 SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed once
 

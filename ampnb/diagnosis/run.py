@@ -18,10 +18,10 @@ from ampnb.apex import master_of
 from ampnb.batch import Batch
 from ampnb.device import sync
 from ampnb.diagnosis.candidates import Candidate
-from ampnb.diagnosis.start import Start, seed
 from ampnb.diagnosis.weights import eps_causes, narrow, weights, weights_left
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
+from ampnb.start import Start, seed
 from ampnb.step import StepOutcome, train_step
 
 MIN_SCALE = 2.0**-8  # a loss scale below this means the gradients overflow whatever the scale

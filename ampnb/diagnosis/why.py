@@ -15,8 +15,8 @@ from ampnb.device import get_device, support_table
 from ampnb.diagnosis.candidates import candidates
 from ampnb.diagnosis.profile import Profile, profile_run
 from ampnb.diagnosis.run import Setup, measure
-from ampnb.diagnosis.start import started
 from ampnb.display import Table, TableView, format_percent, format_seconds
+from ampnb.start import started
 
 
 @dataclass(frozen=True, repr=False)

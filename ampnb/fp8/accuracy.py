@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 import warnings
 from collections.abc import Callable
@@ -91,24 +90,6 @@ def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, se
     return losses, report, stats
 
 
-def _copies(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: str
-            ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A deep copy of the model and of its optimizer bound to the copy's parameters."""
-    if optimizer is None:
-        m = copy.deepcopy(model).to(device)
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer={optimizer!r} is not allowed; allowed: a torch.optim "
-                         "Optimizer instance over the model's parameters, or None (AdamW)")
-    own = {id(p) for p in model.parameters()}
-    if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
-        raise ValueError("optimizer holds tensors that are not this model's parameters; "
-                         "allowed: an optimizer built over model.parameters()")
-    # Copied together, the optimizer's parameters map onto the copy's (state included).
-    m, opt = copy.deepcopy((model, optimizer))
-    return m.to(device), opt
-
-
 def _work(model: Any, batch: Any, loss_fn: Any, optimizer: Any, seed: int, device: str,
           demo_kw: dict[str, Any]) -> Callable[[], _Work]:
     """A maker of fresh, identical work for each run, from a demo name or a user's model."""
@@ -129,9 +110,13 @@ def _work(model: Any, batch: Any, loss_fn: Any, optimizer: Any, seed: int, devic
     if demo_kw:
         raise ValueError(f"{', '.join(demo_kw)} only apply to a demo name, not to a model")
     b = as_batch(batch, loss_fn).to(device)
+    from ampnb.modes import get_mode  # fp8 sits below the modes (they import it)
+    from ampnb.start import Start
+
+    start = Start.take(model, optimizer)  # one snapshot; None: AdamW(lr=1e-3)
 
     def from_model() -> _Work:
-        m, opt = _copies(model, optimizer, device)
+        m, opt = start.copy(get_mode("32-true"), device)
         return _Work(m, opt, loss_fn, [b])
     return from_model
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import inspect
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ from ampnb.apex import master_of
 from ampnb.batch import as_batch, model_loss, step_loss
 from ampnb.display import Table, TableView, format_bytes
 from ampnb.modes import get_mode
+from ampnb.start import started
 from ampnb.step import StepSettings, step_context, train_step
 
 DEFAULT_MODES = ("32-true", "bf16-mixed", "bf16-true")
@@ -158,28 +157,6 @@ def _nbytes(ts: Iterable[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
 
-def _copy_optimizer(optimizer: Any, model: nn.Module, params: list[nn.Parameter]) -> Any:
-    """The user's optimizer rebuilt on the copy's params: its type, group settings and state."""
-    if optimizer is None:
-        return torch.optim.AdamW([p for p in params if p.requires_grad])
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer={type(optimizer).__name__} is not allowed; allowed: a "
-                         f"torch.optim.Optimizer instance on the model's parameters (its type, "
-                         f"settings and state are copied), or None (AdamW).")
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    if any(id(p) not in index for p in held):
-        raise ValueError(f"optimizer {type(optimizer).__name__} holds parameters that are not the "
-                         f"model's; allowed: an optimizer built on model.parameters().")
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [params[index[id(p)]] for p in g["params"]]} for g in optimizer.param_groups]
-    accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold internal keys
-    new = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-    # A deep copy: load_state_dict keeps some tensors (Adam's step) as the same objects.
-    new.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    return new
-
-
 def _own_or_mean(out: Any, targets: Any) -> torch.Tensor:
     """The loss without a loss_fn: the model's own, else the mean of its float outputs stands
     in (it keeps the same tensors saved for backward as a real loss would)."""
@@ -221,14 +198,10 @@ def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None
     m = get_mode(mode)
     dev = torch.device(device or next(model.parameters()).device)
     m.check(dev)
-    cuda = [dev.index or 0] if dev.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):  # dropout in the copy must not move the user's RNG
-        twin = copy.deepcopy(model)
-        params = list(twin.parameters())  # conversions keep these objects (FP8 layers share them)
-        converted = m.convert_module(twin)
-        net = twin if converted is None else converted
-        net.to(dev)
-        opt = _copy_optimizer(optimizer, model, params)
+    # A fresh copy from one snapshot; the user's RNG is put back (dropout in the copy draws).
+    with started(model, optimizer) as start:
+        net, opt = start.copy(m, str(dev))
+        params = list(net.parameters())
         with MemoryMeter(dev) as meter, step_context(StepSettings(m, str(dev)), net):
             train_step(m, net, opt, run, loss_fn or _own_or_mean, device=dev,
                        scaler=m.make_scaler(dev))

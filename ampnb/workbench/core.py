@@ -18,15 +18,14 @@ from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_no
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
 from ampnb.selective import matching_modules, widen_kept
+from ampnb.start import Master, param_dtype
 from ampnb.step import StepSettings, forward_loss, step_context, train_step
 from ampnb.workbench.inputs import check_inputs, output_dtype
 from ampnb.workbench.records import StepRecord, history_table, nonfinite_note, speedup
 from ampnb.workbench.state import (
-    Master,
     all_or_nothing,
     module_links,
     nonfinite_params,
-    param_dtype,
     relink,
     repoint_optimizer,
     untouched,

@@ -1,103 +1,17 @@
-"""Master copies of model and optimizer state, all-or-nothing switches, traceless probes."""
+"""What the Workbench needs around switches: module links, re-pointed optimizers, all-or-nothing
+changes, traceless probes (the master copies themselves are `ampnb.start.Master`)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ampnb._interrupt import Guard
-from ampnb.apex import is_batchnorm, master_of
-from ampnb.display import dtype_name
 
 _NARROW = (torch.float16, torch.bfloat16)
-
-
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy that loses nothing: narrow floats widen to fp32, fp32/fp64 stay as they are."""
-    t = t.detach()
-    if t.is_floating_point() and t.dtype != torch.float64:
-        return t.to("cpu", torch.float32, copy=True)
-    return t.to("cpu", copy=True)
-
-
-def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and every buffer (non-persistent too), by name; tied weights once."""
-    found = dict(model.named_parameters())
-    found.update((n, b) for n, b in model.named_buffers() if b is not None)
-    return found
-
-
-@dataclass(frozen=True)
-class Master:
-    """Model tensors and optimizer state at fp32 (fp64 where they were fp64), kept on the CPU."""
-
-    tensors: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    source_dtype: torch.dtype  # parameter dtype of the live model it was taken from
-    wide: bool = field(default=False)  # some floating tensor is fp64
-    params: frozenset[str] = frozenset()  # which tensors are parameters (the rest: buffers)
-
-    @classmethod
-    def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> Master:
-        """Copy the live model and optimizer state."""
-        live = named_tensors(model)
-        tensors = {n: _keep(master_of(t)) for n, t in live.items()}  # APEX O2: the fp32 masters
-        sd = optimizer.state_dict()
-        state = {i: {k: _keep(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                     for k, v in s.items()} for i, s in sd["state"].items()}
-        opt = {"state": state, "param_groups": copy.deepcopy(sd["param_groups"])}
-        wide = any(t.dtype == torch.float64 for t in tensors.values())
-        params = frozenset(n for n, _ in model.named_parameters())
-        source = param_dtype(model, mostly=True)
-        if source in _NARROW and all(master_of(live[n]) is not live[n] for n in params
-                                     if live[n].dtype == source):
-            source = torch.float32  # every narrow weight had an fp32 master: nothing was lost
-        return cls(tensors, opt, source, wide, params)
-
-    def load_into(self, model: nn.Module) -> None:
-        """Copy the master values into the model's tensors (casting to their dtype).
-
-        Buffers only one side has (an FP8 layer's scaling history) are left as they are.
-        """
-        live = named_tensors(model)
-        missing = sorted(self.params - set(live))
-        if missing:
-            raise ValueError(f"the model lost parameters {missing[:3]} while switching; allowed: "
-                             f"a mode whose convert_module keeps parameter names.")
-        with torch.no_grad():
-            for name, value in self.tensors.items():
-                if name in live:
-                    live[name].copy_(value)
-
-    def optimizer_state(self) -> dict[str, Any]:
-        """A fresh copy for `optimizer.load_state_dict` (which casts it to each param's dtype)."""
-        return copy.deepcopy(self.optimizer)
-
-
-def param_dtype(model: nn.Module, mostly: bool = False) -> torch.dtype:
-    """The dtype of the model's floating parameters (ValueError when they differ).
-
-    Batch norm kept fp32 in an fp16 model (APEX O2) does not count. `mostly`: the dtype most
-    parameter elements have (modules kept in fp32 inside a true mode, `keep_fp32`).
-    """
-    found = [p for p in model.parameters() if p.is_floating_point()]
-    dtypes = {p.dtype for p in found}
-    if len(dtypes) > 1:
-        dtypes = {p.dtype for m in model.modules() if not is_batchnorm(m)
-                  for p in m.parameters(recurse=False) if p.is_floating_point()}
-    if mostly and len(dtypes) > 1:
-        count = {d: sum(p.numel() for p in found if p.dtype == d) for d in dtypes}
-        return max(count, key=count.get)
-    if len(dtypes) != 1:
-        names = sorted(dtype_name(d) for d in dtypes) or ["none"]
-        raise ValueError(f"model has floating parameters in {', '.join(names)}; allowed: "
-                         f"a model whose floating parameters share one dtype.")
-    return dtypes.pop()
 
 
 def module_links(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
