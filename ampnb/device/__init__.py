@@ -1,6 +1,7 @@
 """Devices and what each can do (support), the TF32 switch and setting, measured throughput.
 
-Parts import downwards only: cpu <- hardware (devices, support) <- tf32_switch <- throughput.
+Parts import downwards only: cpu, spec (documented support of absent accelerators, pure data)
+<- hardware (devices, support, the support table) <- tf32_switch <- throughput.
 Names resolve lazily, so that a module below `ampnb.modes` (fp16_kernels) can use `device.cpu`.
 """
 
@@ -15,8 +16,9 @@ _EXPORTS = {
     **dict.fromkeys(("TF32_ALLOWED", "TF32Setting", "TF32State", "restore_tf32", "set_tf32", "tf32",
                      "tf32_context", "tf32_effect", "tf32_setting", "tf32_state"),
                     "ampnb.device.tf32_switch"),
+    **dict.fromkeys(("SOURCES", "spec_columns"), "ampnb.device.spec"),
     **dict.fromkeys(("Throughput", "matmul_throughput", "throughput_table"),
                     "ampnb.device.throughput"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS,
-                                             ("cpu", "hardware", "tf32_switch", "throughput"))
+                                             ("cpu", "hardware", "spec", "tf32_switch", "throughput"))

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from ampnb.device.cpu import cpu_features, cpu_model, cpu_native, detected_features
+from ampnb.device.spec import LABEL as SPEC_LABEL
+from ampnb.device.spec import SOURCES, SpecColumn, spec_columns
 from ampnb.display import Table
 from ampnb.formats import FORMATS, FloatFormat, get_format
 from ampnb.fp16_kernels import emulates_fp16, fp16_kernels_note
@@ -123,7 +125,9 @@ def _format_support(f: FloatFormat, dev: DeviceInfo) -> Support:
         need = f"compute capability >= 8.9, {cc_text}" if cc else "a GPU with compute capability >= 8.9"
         return Support(True, False, f"emulated: FP8 matmul needs {need}")
     if f.name == "bf16" and dev.type == "cuda" and cc < AMPERE_CC:
-        return Support(False, False, f"needs compute capability >= 8.0 ({cc_text})")
+        # torch.cuda.is_bf16_supported() (with emulation, its default) says yes here too
+        return Support(True, False, f"emulated: no bf16 tensor cores below compute capability 8.0 "
+                                    f"({cc_text})")
     if f.name in ("fp16", "bf16") and dev.type == "cpu" and not cpu_native(f.name):
         return Support(True, False, f"slow: no native {f.name} units on this CPU")
     return Support(True, True)
@@ -139,14 +143,18 @@ def support(mode_or_format: object, device: str | torch.device | DeviceInfo = "c
     if _absent_device_type(device):
         kind = torch.device(device).type.upper()
         return Support(False, False, f"needs {kind}, which this machine does not have")
-    dev = get_device(device)
+    return _support_on(target, get_device(device))
+
+
+def _support_on(target: object, dev: DeviceInfo) -> Support:
+    """`support` on one device, deciding CUDA by its compute capability (tests pass a GPU's)."""
     if isinstance(target, FloatFormat):
         return _format_support(target, dev)
     found = target.availability(dev.name)
     if not found.ok:
         return Support(False, False, found.reason)
-    if found.reason:  # the mode runs, but says how (e.g. FP8 emulated where TE cannot run)
-        return Support(True, False, found.reason)
+    if found.reason:  # the mode runs, but says how: FP8 emulated, or real with Transformer Engine
+        return Support(True, found.reason.startswith("real"), found.reason)
     if target.compute_dtype == torch.float16 and emulates_fp16(dev.name):
         why = "fp16_kernels='emulated'" if cpu_native("fp16") else "no native fp16 units on this CPU"
         return Support(True, False, f"emulated: {fp16_kernels_note(dev.name)} ({why})")
@@ -173,10 +181,12 @@ def _absent_device_type(device: object) -> bool:
     return kind in ("cuda", "mps") and all(d.type != kind for d in _devices())
 
 
-def support_table() -> Table:
-    """Modes then formats against every device present: supported, native, or why not."""
+def support_table(spec: bool = True) -> Table:
+    """Modes then formats against every device present (measured: supported, native, or why
+    not) and, with `spec`, against accelerators as their documents describe them (labelled so)."""
     present = _devices()
-    rows = [(name, *(support(name, d).text for d in present)) for name in (*MODES, *FORMATS)]
+    names = (*MODES, *FORMATS)
+    rows = [[name, *(support(name, d).text for d in present)] for name in names]
     notes = [f"{d.name}: {d.label}" + (f", compute capability {d.capability[0]}.{d.capability[1]}"
                                         if d.capability else "") for d in present]
     if cpu_features() != detected_features():  # a "what if" table, from cpu_features_as
@@ -184,5 +194,28 @@ def support_table() -> Table:
                      f"{', '.join(sorted(cpu_features())) or 'none'} (injected, not this CPU's)")
     notes.append("Native fp16/bf16 on a CPU means AVX512-FP16/AMX-FP16 and AVX512-BF16/AMX-BF16 "
                  "(x86) or the ARM fp16/bf16 extensions; without them torch runs slower fallback kernels.")
-    return Table(("mode / format", *(d.name for d in present)), rows,
-                 caption="Precision support on this machine", notes=notes)
+    headers = ["mode / format", *(d.name for d in present)]
+    if spec:
+        columns = spec_columns()
+        headers += [c.header for c in columns]
+        notes += _spec_cells(rows, columns)
+    caption = "Precision support on this machine" + (
+        f" (measured) and elsewhere (spec: {SPEC_LABEL})" if spec else "")
+    return Table(tuple(headers), [tuple(r) for r in rows], caption=caption, notes=notes)
+
+
+def _spec_cells(rows: list[list[str]], columns: tuple[SpecColumn, ...]) -> list[str]:
+    """Append each spec column's cells to `rows` as 'status [n]'; the notes [n] and sources."""
+    numbered: dict[tuple[str, tuple[str, ...]], int] = {}
+    for row in rows:
+        for column in columns:
+            cell = column.cells.get(row[0])
+            if cell is None:
+                row.append("-")
+                continue
+            n = numbered.setdefault((cell.reason, cell.sources), len(numbered) + 1)
+            row.append(f"{cell.status} [{n}]")
+    used = dict.fromkeys(key for _, keys in numbered for key in keys)
+    return [f"Columns marked (spec) are {SPEC_LABEL}: [n] is why, each source is named below.",
+            *(f"[{n}] {reason} (source: {', '.join(keys)})" for (reason, keys), n in numbered.items()),
+            *(f"{key}: {SOURCES[key].url} — {SOURCES[key].says}" for key in used)]
