@@ -39,7 +39,7 @@ def test_a_cell_on_two_ranks_gets_the_notebooks_names_and_its_mode(ip):
     assert "[rank 1] dtype torch.bfloat16 sum 3.0 world 2 cpu" in lines
     assert run.values == (0 + 3, 10 + 3) and run.ok and run.mode == "bf16-mixed"
     assert f"[rank 1] ampnb {ampnb.__file__}" in lines  # the ranks import this checkout's ampnb
-    assert len(run.pids) == 3 and wait_gone(list(run.pids)) == []
+    assert len(run.pids) == 5 and wait_gone(list(run.pids)) == []  # agent, 2 ranks, 2 watchers
 
 
 def test_a_failing_rank_shows_its_traceback_and_every_process_ends(ip):
@@ -83,7 +83,7 @@ def test_an_interrupted_cell_leaves_no_process(ip, tmp_path):
             ip.run_cell_magic("amp", "--nproc 2", cell)
     finally:
         thread.join()
-    assert len(set(pids)) == 3  # two ranks and their agent
+    assert len(set(pids)) == 4  # two ranks and the two processes watching them
     assert wait_gone(sorted(set(pids))) == []
     assert not any(alive(p) for p in pids)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -33,7 +34,7 @@ class RankResult:
     value: Any
     error: str | None
     status: str  # 'ok', 'failed', 'stopped' (ended by the launcher), 'timeout'
-    failed_at: float | None = None  # time.monotonic() on the rank when it failed
+    failed_at: float | None = None  # time.monotonic() on the rank when it failed or died
 
 
 @dataclass(frozen=True, repr=False)
@@ -45,7 +46,7 @@ class DistributedRun(TableView):
     mode: str | None
     ranks: tuple[RankResult, ...]
     seconds: float
-    pids: tuple[int, ...]  # the agent's and every rank's: all ended when the run returns
+    pids: tuple[int, ...]  # the agent's, every rank's and their watchers': all ended on return
     agent_log: str = ""
 
     @property
@@ -83,6 +84,10 @@ class RankFailed(RuntimeError):
         for r in bad:
             after = f", after rank {bad[0].rank} failed" if r is not bad[0] and bad[0].failed_at else ""
             lines += [f"--- rank {r.rank} ({r.status}{after}) ---", *r.error.rstrip().splitlines()]
+        later = [str(r.rank) for r in bad[1:] if r.failed_at is not None]
+        if later and bad[0].failed_at is not None:
+            lines.append(f"rank {bad[0].rank} failed first; the errors of rank(s) "
+                         f"{', '.join(later)} came after it (most likely because of it)")
         stopped = [str(r.rank) for r in self.run.ranks if r.status == "stopped"]
         if stopped:
             lines.append(f"rank(s) {', '.join(stopped)} stopped by the launcher; every process ended")
@@ -123,6 +128,18 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def check_timeout(timeout: Any, name: str = "--timeout") -> float:
+    """timeout as seconds, a finite number above 0 (ValueError says what is allowed)."""
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(timeout, bool) or not 0 < seconds < math.inf:
+        raise ValueError(f"{name} must be a number of seconds above 0 (e.g. {name} 60), "
+                         f"got {timeout!r}")
+    return seconds
+
+
 def check_nproc(nproc: Any, device: str) -> int:
     """nproc as an int within what the machine has (ValueError says what is allowed)."""
     kind = torch.device(device).type
@@ -139,8 +156,9 @@ def check_nproc(nproc: Any, device: str) -> int:
     return nproc
 
 
-def _environment() -> dict[str, str]:
+def _environment(temp: Path) -> dict[str, str]:
     env = dict(os.environ)
+    env["TMPDIR"] = str(temp)  # the agent's log tree and error files: gone with the job folder
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     if Path("/sys/class/net/lo").exists():
@@ -150,28 +168,32 @@ def _environment() -> dict[str, str]:
 
 
 def _start(folder: Path) -> subprocess.Popen:
+    temp = folder / "tmp"
+    temp.mkdir()
     log = open(folder / "agent.log", "wb")  # noqa: SIM115 - closed by _stop
     try:
         return subprocess.Popen([sys.executable, "-m", "ampnb.distributed.agent", str(folder)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=_environment(), start_new_session=True)
+                                env=_environment(temp), start_new_session=True)
     finally:
         log.close()
 
 
-def _rank_pids(folder: Path, nproc: int) -> dict[int, int]:
+def _rank_pids(folder: Path, nproc: int) -> dict[int, tuple[int, int]]:
+    """rank -> (the pid that runs its cell, the pid of its watcher), for the ranks started."""
     found = {}
     for r in range(nproc):
         try:
-            found[r] = int((folder / f"rank{r}.pid").read_text())
+            cell, watcher = map(int, (folder / f"rank{r}.pid").read_text().split())
         except (OSError, ValueError):
-            pass
+            continue
+        found[r] = (cell, watcher)
     return found
 
 
 def _stop(proc: subprocess.Popen, folder: Path, nproc: int) -> None:
     """Kill the agent's session and every rank, then reap the agent."""
-    ranks = tuple(p for p in _rank_pids(folder, nproc).values() if _procs.alive(p))
+    ranks = tuple(p for pair in _rank_pids(folder, nproc).values() for p in pair if _procs.alive(p))
     _procs.kill_tree(proc.pid, below=proc.poll() is None, extra=ranks)
     try:
         proc.wait(timeout=10)
@@ -179,8 +201,17 @@ def _stop(proc: subprocess.Popen, folder: Path, nproc: int) -> None:
         pass
 
 
-def _collect(folder: Path, nproc: int, timed_out: bool) -> tuple[RankResult, ...]:
-    pids = _rank_pids(folder, nproc)
+def _still_running(output: str, timeout: float) -> str:
+    """The error of a rank stopped at the timeout: what it printed last, then why it stopped."""
+    last = [ln for ln in output.splitlines() if ln.strip()][-3:]
+    said = ["it printed last:", *("    " + ln for ln in last)] if last else ["it printed nothing"]
+    return "\n".join([*said, f"TimeoutError: still running after {timeout:g} s (the timeout); "
+                                 "every rank was stopped"])
+
+
+def _collect(folder: Path, nproc: int, timeout: float | None) -> tuple[RankResult, ...]:
+    """Each rank's result; timeout: the run was stopped after that many seconds (else None)."""
+    pids = {r: cell for r, (cell, _) in _rank_pids(folder, nproc).items()}
     results = []
     for r in range(nproc):
         log = folder / f"rank{r}.log"
@@ -190,8 +221,8 @@ def _collect(folder: Path, nproc: int, timed_out: bool) -> tuple[RankResult, ...
         except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
             got = None
         if got is None:
-            status = "timeout" if timed_out else "stopped"
-            error = "TimeoutError: still running after the timeout" if timed_out else None
+            status = "stopped" if timeout is None else "timeout"
+            error = None if timeout is None else _still_running(output, timeout)
             results.append(RankResult(r, pids.get(r), output, None, error, status))
         else:
             status = "ok" if got["error"] is None else "failed"
@@ -205,16 +236,16 @@ def launch(payload: Payload, nproc: int = 2, device: str = "cpu",
     """Run the payload on nproc ranks (gloo on CPU, NCCL on CUDA); every process ended on return.
 
     A timeout or KeyboardInterrupt kills the agent and all ranks; a timeout returns the run
-    with the ranks still running marked 'timeout'.
+    with the ranks still running marked 'timeout'. Nothing is left in the temp folder.
     """
     nproc = check_nproc(nproc, device)
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    timeout = check_timeout(timeout, "timeout")
     kind = torch.device(device).type
     with tempfile.TemporaryDirectory(prefix="ampnb-ranks-") as tmp:
         folder = Path(tmp)
+        # The rendezvous' and collectives' own timeouts (whole seconds) end no sooner than ours.
         job = {"payload": payload, "device": kind, "nproc": nproc, "port": free_port(),
-               "timeout": timeout}
+               "timeout": math.ceil(timeout), "tmpdir": tempfile.gettempdir()}
         (folder / "job.pkl").write_bytes(pickle.dumps(job))
         t0, timed_out = time.perf_counter(), False
         # Started all or not at all; ended (agent and ranks) whatever line an interrupt lands on.
@@ -223,8 +254,8 @@ def launch(payload: Payload, nproc: int = 2, device: str = "cpu",
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
-            pids = (proc.pid, *_rank_pids(folder, nproc).values())
+            pids = (proc.pid, *(p for pair in _rank_pids(folder, nproc).values() for p in pair))
         seconds = time.perf_counter() - t0
         agent_log = (folder / "agent.log").read_text(errors="replace")
-        ranks = _collect(folder, nproc, timed_out)
+        ranks = _collect(folder, nproc, timeout if timed_out else None)
     return DistributedRun(nproc, kind, payload.mode, ranks, seconds, pids, agent_log)

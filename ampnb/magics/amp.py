@@ -15,10 +15,11 @@ from ampnb.magics import compare_cell, runs
 from ampnb.step import StepSettings
 
 _CELL_ONLY = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "output", "doctor",
-              "profile", "fp16_kernels", "keep_fp32", "nproc")
+              "profile", "fp16_kernels", "keep_fp32", "nproc", "timeout")
 _ONE_RUN_ONLY = ("trace", "hunt", "memory", "show_code")
 # What watches or repeats this kernel's run, or holds its objects: no meaning on --nproc ranks.
 _NOT_ON_RANKS = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "doctor", "profile")
+_NPROC_TIMEOUT = 300  # seconds a cell's ranks may run before all are stopped
 
 
 def _flag(name: str) -> str:
@@ -86,6 +87,9 @@ class AmpMagics(Magics):
     @argument("--nproc", type=int, metavar="N", help="run the cell on N local ranks (torch's "
               "elastic launcher; gloo on CPU, NCCL on CUDA); the cell gets rank, world_size, "
               "device and mode; output comes back labelled by rank")
+    @argument("--timeout", metavar="SECONDS", help="with --nproc: stop every rank after SECONDS "
+              f"(default {_NPROC_TIMEOUT}) and say which were still running and what they "
+              "printed last")
     @argument("--measure", action="store_true", help="%%amp only: re-measure matmul throughput")
     @argument("-o", dest="output", metavar="NAME", help="store the result object in NAME")
     @argument("-q", "--quiet", action="store_true", help="print nothing")
@@ -143,6 +147,8 @@ class AmpMagics(Magics):
             raise UsageError("--measure belongs to %amp (a line); %%amp runs a cell")
         if args.output is not None and (not args.output.isidentifier() or keyword.iskeyword(args.output)):
             raise UsageError(f"-o needs a Python name to store the result in, got {args.output!r}")
+        if args.timeout is not None and args.nproc is None:
+            raise UsageError("--timeout sets how long the ranks of --nproc N may run; add --nproc N")
         if args.nproc is not None:
             return self._nproc(args, cell)
         if args.doctor or args.profile:
@@ -203,15 +209,17 @@ class AmpMagics(Magics):
         if used:
             raise UsageError(f"{', '.join(used)} cannot be combined with --nproc (they watch or "
                              "repeat this kernel's own run, not the ranks'); with --nproc a cell "
-                             "takes MODE, --device, --tf32, --fp16-kernels, --keep-fp32, -o and -q")
+                             "takes MODE, --device, --tf32, --fp16-kernels, --keep-fp32, "
+                             "--timeout, -o and -q")
         s = self._settings(args)
         if s.keep_fp32:  # the ranks find the same models; say what is wrong before launching
             try:
                 runs.kept_modules(s, self.shell.user_ns, compile_cell(self.shell, cell).names)
             except ValueError as e:
                 raise UsageError(str(e)) from None
+        timeout = _NPROC_TIMEOUT if args.timeout is None else args.timeout
         run = nproc_cell(self.shell, cell, RankSettings.of(s), s.device, args.nproc,
-                         quiet=args.quiet)
+                         quiet=args.quiet, timeout=timeout)
         if args.output:
             self.shell.user_ns[args.output] = run
         if not args.quiet:

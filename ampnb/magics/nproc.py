@@ -8,17 +8,24 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from ampnb.distributed._ship import RankSettings, pack, split_cell
-from ampnb.distributed.launcher import DistributedRun, RankFailed, check_nproc, launch
+from ampnb.distributed.launcher import (
+    DistributedRun,
+    RankFailed,
+    check_nproc,
+    check_timeout,
+    launch,
+)
 from ampnb.magics.cell import CellSyntaxError
 
 
 def nproc_cell(shell: Any, cell: str, settings: RankSettings, device: str, nproc: int,
-               quiet: bool = False) -> DistributedRun:
-    """Run the cell on nproc ranks under the settings (each rank enters the cell context);
-    print each rank's output; RankFailed if one failed."""
+               quiet: bool = False, *, timeout: Any) -> DistributedRun:
+    """Run the cell on nproc ranks under the settings (each rank enters the cell context), all
+    stopped after `timeout` seconds; print each rank's output; RankFailed if one failed."""
     __tracebackhide__ = True  # noqa: F841
     try:
         check_nproc(nproc, device)
+        seconds = check_timeout(timeout)
     except ValueError as e:
         raise UsageError(str(e)) from None
     source = shell.transform_cell(cell)
@@ -31,7 +38,7 @@ def nproc_cell(shell: Any, cell: str, settings: RankSettings, device: str, nproc
         payload = pack(body, last, filename, shell.user_ns, settings, source=source)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    run = launch(payload, nproc, device)
+    run = launch(payload, nproc, device, seconds)
     if not quiet:
         sys.stdout.write(run.output())
         sys.stdout.flush()
