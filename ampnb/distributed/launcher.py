@@ -243,9 +243,10 @@ def launch(payload: Payload, nproc: int = 2, device: str = "cpu",
     kind = torch.device(device).type
     with tempfile.TemporaryDirectory(prefix="ampnb-ranks-") as tmp:
         folder = Path(tmp)
-        # The rendezvous' and collectives' own timeouts (whole seconds) end no sooner than ours.
+        # The rendezvous' and collectives' own timeouts (whole seconds, within what their clocks
+        # hold) end no sooner than ours.
         job = {"payload": payload, "device": kind, "nproc": nproc, "port": free_port(),
-               "timeout": math.ceil(timeout), "tmpdir": tempfile.gettempdir()}
+               "timeout": min(math.ceil(timeout), 10**7), "tmpdir": tempfile.gettempdir()}
         (folder / "job.pkl").write_bytes(pickle.dumps(job))
         t0, timed_out = time.perf_counter(), False
         # Started all or not at all; ended (agent and ranks) whatever line an interrupt lands on.
