@@ -50,8 +50,21 @@ def is_batchnorm(m: nn.Module) -> bool:
     return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine
 
 
+def shown(value: Any) -> str:
+    """A bad value for a one-line message: its repr when short, else its type."""
+    text = repr(value)
+    return text if len(text) <= 40 and "\n" not in text else f"a {type(value).__name__}"
+
+
+def needs_module(module: Any, call: str) -> None:
+    """ValueError naming the bad value unless module is an nn.Module."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"{call} got {shown(module)}; allowed: an nn.Module")
+
+
 def half_except_batchnorm(module: nn.Module) -> nn.Module:
     """APEX O2's cast: every floating parameter and buffer to fp16 except batch norm's (in place)."""
+    needs_module(module, "half_except_batchnorm")
     with deferred():  # all or none: an interrupt cannot leave half the model cast
         for m in module.modules():
             if not is_batchnorm(m):
@@ -62,6 +75,7 @@ def half_except_batchnorm(module: nn.Module) -> nn.Module:
 
 def forget_masters(module: nn.Module) -> None:
     """Drop the masters of a module's parameters: the next step seeds them from the fp16 weights."""
+    needs_module(module, "forget_masters")
     for p in module.parameters():
         _MASTERS.pop(p, None)
 
@@ -129,6 +143,9 @@ def swap_out(optimizer: torch.optim.Optimizer,
 
 def master_step(optimizer: torch.optim.Optimizer) -> Guard:
     """Around `scaler.step(optimizer)` / `optimizer.step()`: it steps the fp32 masters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"master_step got {shown(optimizer)}; allowed: a torch.optim.Optimizer "
+                         "instance")
     return Guard(lambda: swap_in(optimizer), lambda swapped: swap_out(optimizer, swapped))
 
 

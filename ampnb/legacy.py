@@ -37,6 +37,10 @@ PRECISION: dict[Any, Meaning] = {
 }
 PRECISION.update({str(k): v for k, v in PRECISION.items() if isinstance(k, int)})
 
+# Lightning 2.x's own spellings (its _PRECISION_INPUT_STR), read as they are.
+TODAY = ("transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
+         "bf16-mixed", "32-true", "64-true")
+
 # APEX's opt levels, as amp_level with amp_backend="apex" (removed in Lightning 2.0).
 APEX: dict[str, Meaning] = {
     "O0": Meaning('precision="32-true"', "fp32 training", "apex-O0"),
@@ -83,9 +87,9 @@ def _precision(value: Any, tpu: bool) -> tuple[Meaning, str]:
         found = PRECISION[key]
         mode = "bf16-true" if tpu and found.mode in ("16-mixed", "bf16-mixed") else found.mode
         return found, mode
-    if isinstance(key, str) and "-" in key:  # already today's spelling; get_mode checks it
+    if key in TODAY:  # already today's spelling
         return Meaning(f"precision={key!r}", "today's spelling", key), key
-    raise _allowed("precision", value, PRECISION)
+    raise _allowed("precision", value, (*PRECISION, *TODAY))
 
 
 def explain_precision(**trainer_kwargs: Any) -> LegacyPrecision:
@@ -116,7 +120,7 @@ def explain_precision(**trainer_kwargs: Any) -> LegacyPrecision:
     today["precision"] = meaning.today.split("=", 1)[1] if mode == meaning.mode else f'"{mode}"'
     backend, level = kw.get("amp_backend"), kw.get("amp_level")
     if backend is not None:
-        if backend not in BACKENDS:
+        if not isinstance(backend, str) or backend not in BACKENDS:
             raise _allowed("amp_backend", backend, BACKENDS)
         rows.append((f"amp_backend={backend!r}", BACKENDS[backend].today, BACKENDS[backend].note))
     if level is not None:
@@ -124,7 +128,7 @@ def explain_precision(**trainer_kwargs: Any) -> LegacyPrecision:
             raise ValueError(f"amp_level={level!r} is not allowed without amp_backend='apex' "
                              "(Lightning 1.x refused it too); allowed: amp_backend='apex'")
         level = level.upper() if isinstance(level, str) else level
-        if level not in LEVELS:
+        if not isinstance(level, str) or level not in LEVELS:
             raise _allowed("amp_level", kw["amp_level"], LEVELS)
     if backend == "apex" and mode == "16-mixed":  # Lightning 1.x used APEX only for precision=16
         level = level or DEFAULT_APEX_LEVEL

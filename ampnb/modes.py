@@ -401,6 +401,7 @@ class ApexO2(_Legacy, PrecisionMode):
     requirements = Fp16Mixed.requirements
 
     def convert_module(self, module: nn.Module) -> nn.Module:
+        apex.needs_module(module, f"{self.name} convert_module")
         return apex.half_except_batchnorm(module)
 
     def convert_input(self, data: Any) -> Any:

@@ -18,10 +18,13 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 def keep_patterns(patterns: str | Iterable[str]) -> tuple[str, ...]:
     """Module paths or globs from 'a,b' or an iterable (ValueError when there are none)."""
-    found = tuple(p.strip() for p in (patterns.split(",") if isinstance(patterns, str) else patterns))
+    items = patterns.split(",") if isinstance(patterns, str) else \
+        list(patterns) if isinstance(patterns, Iterable) else None
+    found = tuple(p.strip() if isinstance(p, str) else p for p in items or ())
     if not found or not all(isinstance(p, str) and p for p in found):
-        raise ValueError(f"keep_fp32 needs module paths or globs (e.g. 'lm_head,*.norm'), got "
-                         f"{patterns!r}")
+        raise ValueError(f"keep_fp32 needs module paths or globs, got {patterns!r}; allowed: a "
+                         f"string such as 'lm_head,*.norm' or a list of strings such as "
+                         f"['lm_head', '*.norm']")
     return found
 
 

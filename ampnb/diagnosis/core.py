@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidates
 from ampnb.diagnosis.code import code
 from ampnb.diagnosis.errors import compare, flat, rel
 from ampnb.diagnosis.evidence import ModeRow, mode_row, per_param, underflow
+from ampnb.diagnosis.failures import expected
 from ampnb.diagnosis.layers import layer_rows, local_errors
 from ampnb.diagnosis.profile import Profile, profile_run
 from ampnb.diagnosis.recommend import ISLAND_MODES, Tolerance, choose, islands
@@ -29,6 +31,7 @@ from ampnb.modes import get_mode
 from ampnb.start import started
 
 SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed once
+MAX_REPEAT = 100  # timed steps per mode: more says nothing new and can run for hours
 
 
 class Progress:
@@ -84,8 +87,31 @@ def _check(model: Any, optimizer: Any, repeat: int) -> None:
         if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(f"optimizer={type(optimizer).__name__} holds parameters that are "
                              f"not the model's; {allowed}")
-    if not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat={repeat!r} is not allowed; allowed: an integer >= 1")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or not 1 <= repeat <= MAX_REPEAT:
+        raise ValueError(f"repeat={repeat!r} is not allowed; allowed: an integer from 1 to "
+                         f"{MAX_REPEAT} (timed steps per mode)")
+
+
+def _check_options(loss_fn: Any, device: Any, modes: Any, seed: Any, progress: Any = None) -> None:
+    """The doctor's other arguments: each named with what is allowed."""
+    for name, value, ok, allowed in (
+            ("loss_fn", loss_fn, loss_fn is None or callable(loss_fn),
+             "a callable loss_fn(output, targets) such as nn.functional.mse_loss, or None (the "
+             "model's own loss)"),
+            ("device", device, device is None or (isinstance(device, (str, torch.device)) and
+                                                  str(device).strip() != ""),
+             "a device name such as 'cpu' or 'cuda:0', or None (the model's device)"),
+            ("modes", modes, modes is None or isinstance(modes, str) or (
+                isinstance(modes, Iterable) and not isinstance(modes, Mapping)),
+             "mode names as 'a,b' or a list such as ['32-true', 'bf16-mixed'], or None (every "
+             "mode)"),
+            ("seed", seed, isinstance(seed, numbers.Integral) and not isinstance(seed, bool),
+             "an integer"),
+            ("progress", progress, progress is None or callable(progress),
+             "a callable taking one line of text, or None (stderr after a second)")):
+        if not ok:
+            shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+            raise ValueError(f"{name}={shown} is not allowed; allowed: {allowed}")
 
 
 def _fp64_check(setup: Setup, ref: StepResult) -> str:
@@ -148,8 +174,9 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     """The doctor on a batch, or on a step function net -> loss (what `%%amp --doctor` passes)."""
     o = options
     _check(model, o.optimizer, o.repeat)
+    _check_options(loss_fn, o.device, o.modes, o.seed, o.progress)
     tol = Tolerance.of(o.tolerance)
-    dev = get_device(o.device or next(model.parameters()).device).name
+    dev = get_device(next(model.parameters()).device if o.device is None else o.device).name
     cands, skipped = candidates(o.modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     say = o.progress or Progress()
@@ -162,7 +189,8 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
               repeat: int, profile: bool, say: Callable[[str], None]) -> DoctorReport:
     n = len(cands)
     say(f"{REFERENCE} (1/{n}): reference step")
-    ref = measure(setup, cands[0], reference=True)
+    with expected(setup.batch, type(setup.model).__name__, setup.step is not None):
+        ref = measure(setup, cands[0], reference=True)
     if not ref.finite:
         where = f" ({ref.nonfinite.message})" if ref.nonfinite else ""
         raise ValueError(f"the {REFERENCE} step itself produced inf/NaN{where}; the doctor "

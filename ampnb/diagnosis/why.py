@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from ampnb._interrupt import Guard
 from ampnb.batch import as_batch
 from ampnb.device import get_device, support_table
 from ampnb.diagnosis.candidates import candidates
+from ampnb.diagnosis.failures import expected
 from ampnb.diagnosis.profile import Profile, profile_run
 from ampnb.diagnosis.run import Setup, measure
 from ampnb.display import Table, TableView, format_percent, format_seconds
@@ -50,16 +52,19 @@ def profile_step(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | Non
                  modes: Iterable[str] | str | None = ("32-true", "bf16-mixed", "16-mixed"),
                  seed: int = 0, step: Callable[[nn.Module], Any] | None = None) -> Profiles:
     """Profile one training step per mode on a copy: op time by dtype, casts, unaligned matmuls."""
-    from ampnb.diagnosis.core import _check, _restore, _save
+    from ampnb.diagnosis.core import _check, _check_options, _restore, _save
 
     _check(model, optimizer, 1)
-    dev = get_device(device or next(model.parameters()).device).name
+    _check_options(loss_fn, device, modes, seed)
+    dev = get_device(next(model.parameters()).device if device is None else device).name
     cands, _ = candidates(modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     found = []
     with Guard(_save, _restore), started(model, optimizer) as start:
         setup = Setup(start, data, loss_fn, dev, seed, step)
-        for cand in cands:
-            scale = measure(setup, cand).scale if cand.mode.uses_scaler else None
-            found.append(profile_run(setup, cand, scale))
+        name = type(model).__name__
+        for i, cand in enumerate(cands):  # the reference first: torch's errors explained there
+            with expected(setup.batch, name, step is not None) if i == 0 else nullcontext():
+                scale = measure(setup, cand).scale if cand.mode.uses_scaler else None
+                found.append(profile_run(setup, cand, scale))
     return Profiles(dev, tuple(found), support_table())

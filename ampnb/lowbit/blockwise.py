@@ -84,8 +84,17 @@ class Blockwise:
         return self.codes.numel() + 4 * self.absmax.numel()
 
 
+def check_blocksize(blocksize: int) -> int:
+    """blocksize, or ValueError naming it and what is allowed."""
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 1:
+        raise ValueError(f"blocksize={blocksize!r} is not allowed; allowed: a positive integer "
+                         "(bitsandbytes uses 256 for optimizer state, 64 for 4-bit weights)")
+    return blocksize
+
+
 def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
     """bitsandbytes' `quantize_blockwise`: (uint8 index into `code`, fp32 absmax per block)."""
+    check_blocksize(blocksize)
     absmax, scaled = absmax_scale(x.reshape(-1), blocksize)
     return nearest_index(scaled, code.to(x.device)).to(torch.uint8).reshape(x.shape), absmax
 
@@ -93,6 +102,7 @@ def quantize_blockwise(x: torch.Tensor, code: torch.Tensor, blocksize: int) -> t
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """bitsandbytes' `dequantize_blockwise`: code value times its block's absmax, in fp32, then dtype."""
+    check_blocksize(blocksize)
     values = code.to(codes.device)[codes.reshape(-1).long()]
     pad = (-values.numel()) % blocksize
     out = torch.cat([values, values.new_zeros(pad)]).reshape(-1, blocksize) * absmax[:, None]

@@ -8,6 +8,7 @@ output row) and int8-training (16-bit weights, quantized to int8 on the fly each
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import cache
 
@@ -200,10 +201,21 @@ def int8_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(rows * scale[:, None]).to(torch.int8), stats
 
 
+def warn_nonfinite(w: torch.Tensor, f: LowBitFormat) -> None:
+    """Say so when w holds inf/NaN: its whole block (row, for int8) comes back inf/NaN."""
+    bad = int((~torch.isfinite(w.detach())).sum()) if w.is_floating_point() else 0
+    if bad:
+        where = f"block of {f.blocksize} weights" if f.blocksize else "row"
+        warnings.warn(f"{f.name}: the weight holds {bad} inf/NaN value(s); each {where} holding "
+                      f"one is scaled by an inf/NaN absmax and comes back inf/NaN", RuntimeWarning,
+                      stacklevel=3)
+
+
 def quantize_weight(w: torch.Tensor, fmt: str | LowBitFormat) -> Quantized:
     """Quantize a weight as bitsandbytes does: block absmax, x * (1/absmax), nearest code."""
     f = get_lowbit(fmt)
     w = w.detach()
+    warn_nonfinite(w, f)
     if not f.is_4bit:
         codes, stats = int8_rowwise(w.float())
         return Quantized(f, codes, stats, w.shape, w.dtype)
@@ -233,4 +245,6 @@ def roundtrip(w: torch.Tensor, fmt: str | LowBitFormat, use_bitsandbytes: bool =
     """w as the low-bit format stores it (quantize then dequantize), in w's dtype."""
     f = get_lowbit(fmt)
     real = _bnb_roundtrip(w, f) if use_bitsandbytes else None
+    if real is not None:
+        warn_nonfinite(w, f)
     return real if real is not None else quantize_weight(w, f).dequantize()

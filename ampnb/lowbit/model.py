@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,9 +113,44 @@ def _layer_outputs(model: nn.Module, inputs: Any, names: set[str] | None = None)
         for m, training in modes:
             m.training = training
 
+    batch = as_batch(inputs)
     with Guard(register, restore), torch.no_grad():
-        as_batch(inputs).call(model)
+        try:
+            batch.call(model)
+        except (TypeError, RuntimeError, IndexError, ValueError) as e:
+            if not _raised_in_torch(e):
+                raise  # the model's own code failed: its own exception
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ValueError(f"inputs={_shown(inputs)} did not fit {type(model).__name__} "
+                             f"({type(e).__name__}: {first}); allowed: {_INPUTS}") from e
     return outs
+
+
+_INPUTS = ("the model's own inputs, a tensor or tuple of positional inputs or a dict of keyword "
+           "inputs (from an (inputs, targets) batch pass inputs=batch[0])")
+
+
+def _raised_in_torch(e: BaseException) -> bool:
+    """Whether torch itself raised e (its innermost frame is torch's), not the model's own code."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _shown(x: Any) -> str:
+    """Tensors as dtype[shape], containers kept: '(float32[2, 64], float32[2, 64])'."""
+    if isinstance(x, torch.Tensor):
+        return f"{dtype_name(x.dtype)}{list(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(map(_shown, x))
+        return f"({inner})" if isinstance(x, tuple) else f"[{inner}]"
+    if isinstance(x, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_shown(v)}" for k, v in x.items()) + "}"
+    return type(x).__name__
 
 
 def _features(cols: tuple[int, ...] | None) -> str:
@@ -224,13 +261,25 @@ def quantize_model(model: nn.Module, mode: str | LowBitFormat, *, dtype: torch.d
     if not isinstance(model, nn.Module):
         raise ValueError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
     dtype = _check_dtype(f, dtype)
-    if isinstance(ignore_modules, str):
-        raise ValueError(f"ignore_modules={ignore_modules!r} is not allowed; allowed: a set of name "
-                         f"prefixes, e.g. {{{ignore_modules!r}}}")
-    ignore = tuple(ignore_modules)
+    ignore = tuple(ignore_modules) if isinstance(ignore_modules, Iterable) and not isinstance(
+        ignore_modules, str) else None
+    if ignore is None or not all(isinstance(p, str) for p in ignore):
+        hint = f", e.g. {{{ignore_modules!r}}}" if isinstance(ignore_modules, str) else \
+            ", e.g. {'lm_head'}"
+        raise ValueError(f"ignore_modules={ignore_modules!r} is not allowed; allowed: a set of "
+                         f"module name prefixes{hint}")
     bnb = _bitsandbytes_ready(model) if use_bitsandbytes else None
     if any(_is_lowbit(m) for m in model.modules()):
         return _already(model, f, dtype, inplace)
+    if kind_of(model) is not None:  # a bare layer: quantized as the one child of a holder
+        if inplace:
+            raise ValueError(f"inplace=True cannot replace a bare {type(model).__name__} that the "
+                             "caller holds; allowed: inplace=False (the quantized layer is "
+                             "returned) or a model containing the layer")
+        holder, report = quantize_model(nn.Sequential(model), f, dtype=dtype, ignore_modules=ignore,
+                                        inputs=inputs, use_bitsandbytes=use_bitsandbytes)
+        layers = tuple(dataclasses.replace(e, name="(model)") for e in report.layers)
+        return holder[0], dataclasses.replace(report, layers=layers)
     target = model if inplace else copy.deepcopy(model)
     before = _layer_outputs(model, inputs) if inputs is not None and not inplace else None
     swaps, errors, taken = [], [], []

@@ -17,6 +17,17 @@ MIN_8BIT_SIZE = 4096
 BLOCKSIZE = 256
 
 
+def _number(x: Any) -> bool:
+    """A real number (a one-value tensor too, as torch's optimizers take for lr), not NaN."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1 and not x.is_complex() and not bool(x.isnan())
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _integer(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 class Adam8bit(torch.optim.Optimizer):
     """Adam whose exp_avg (signed map) and exp_avg_sq (unsigned map) are stored in 8 bits.
 
@@ -30,12 +41,18 @@ class Adam8bit(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, optim_bits: int = 8,
                  min_8bit_size: int = MIN_8BIT_SIZE, blocksize: int = BLOCKSIZE) -> None:
+        pair = isinstance(betas, (tuple, list)) and len(betas) == 2
         for name, value, ok, allowed in (
-                ("lr", lr, lr >= 0, "a number >= 0"),
-                ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two numbers in [0, 1)"),
-                ("eps", eps, eps >= 0, "a number >= 0"),
+                ("lr", lr, _number(lr) and lr >= 0, "a number >= 0"),
+                ("betas", betas, pair and all(_number(b) and 0 <= b < 1 for b in betas),
+                 "two numbers in [0, 1)"),
+                ("eps", eps, _number(eps) and eps >= 0, "a number >= 0"),
+                ("weight_decay", weight_decay, _number(weight_decay) and weight_decay >= 0,
+                 "a number >= 0"),
                 ("optim_bits", optim_bits, optim_bits in (8, 32), "8 or 32"),
-                ("blocksize", blocksize, isinstance(blocksize, int) and blocksize > 0, "a positive integer")):
+                ("min_8bit_size", min_8bit_size, _integer(min_8bit_size) and min_8bit_size >= 0,
+                 "an integer >= 0"),
+                ("blocksize", blocksize, _integer(blocksize) and blocksize > 0, "a positive integer")):
             if not ok:
                 raise ValueError(f"{name}={value!r} is not allowed; allowed: {allowed}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -128,7 +145,14 @@ def param_groups(model: nn.Module, keep_32bit: Iterable[type[nn.Module] | str] =
                  ) -> list[dict[str, Any]]:
     """Param groups for Adam8bit: parameters of modules matching keep_32bit (a type or a name
     prefix) get `optim_bits=32`, the rest take the optimizer's default (8 bits)."""
-    keep = tuple(keep_32bit)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"param_groups got a {type(model).__name__} as the model; allowed: an "
+                         "nn.Module (the model the optimizer will train)")
+    one = isinstance(keep_32bit, str) or isinstance(keep_32bit, type)
+    keep = (keep_32bit,) if one else tuple(keep_32bit) if isinstance(keep_32bit, Iterable) else None
+    if keep is None:
+        raise ValueError(f"keep_32bit={keep_32bit!r} is not allowed; allowed: nn.Module types or "
+                         "module name prefixes, e.g. (nn.Embedding, 'tok')")
     bad = [k for k in keep if not (isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)))]
     if bad:
         raise ValueError(f"keep_32bit entry {bad[0]!r} is not allowed; allowed: an nn.Module type "
