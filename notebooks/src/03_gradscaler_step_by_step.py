@@ -352,7 +352,7 @@ ScalerPanel(ScalerStepper(*setup(), init_scale=2.0**10, growth_interval=4), run_
 # ### Solution
 #
 # Each micro-step has 3 stages (forward, divide, backward) and each optimizer step adds 5 more
-# (unscale, clip, step, update, zero_grad): 3 × 3 + 5 = 14. Every micro-step reads one batch, so
+# (unscale, clip, step, update, zero_grad): 3·3 + 5 = 14. Every micro-step reads one batch, so
 # 4 steps read 12 batches; the batches are cycled, so the next forward uses batch 12 mod 8 = 4.
 
 # %% jupyter={"source_hidden": true} tags=["solution"]
