@@ -13,6 +13,7 @@ from IPython.utils.capture import capture_output
 
 from ampnb.distributed import RankFailed
 from ampnb.distributed._procs import wait_gone
+from ampnb.distributed.launcher import DistributedRun, RankResult, _first_failure_first
 from ampnb.magics.amp import AmpMagics
 
 ip = pytest.fixture(shell_with_ampnb)
@@ -58,9 +59,21 @@ def test_the_rank_that_died_first_is_named_with_how_and_nothing_is_left(ip, temp
     assert "--- rank 1 (failed) ---" in shown
     if error.run.ranks[0].status == "failed":  # the survivor's error, shown as a consequence
         assert shown.index("--- rank 1") < shown.index("--- rank 0 (failed, after rank 1 failed)")
+        assert error.run.ranks[0].in_distributed and not first.in_distributed
     assert "[rank 1] before 1" in shown  # what it printed before it died comes back
     assert wait_gone(list(error.run.pids)) == []
     assert os.listdir(temp_folder) == []  # no torchelastic_* tree, no pytorch-errorfile-*
+
+
+def test_a_rank_of_its_own_failure_is_named_before_one_whose_collective_lost_it():
+    """A survivor may note its peer's death before the dead rank's watcher notes it."""
+    died = RankResult(1, 11, "", None, "RankDied: ... exit code 3", "failed", failed_at=10.02)
+    lost = RankResult(0, 10, "", None, "RuntimeError: Connection reset by peer", "failed",
+                      failed_at=10.01, in_distributed=True)
+    hung = RankResult(2, 12, "", None, "TimeoutError: ...", "timeout")
+    run = DistributedRun(3, "cpu", None, (lost, died, hung), 1.0, ())
+    assert [r.rank for r in _first_failure_first(run.ranks)] == [1, 0, 2]
+    assert str(RankFailed(run)).startswith("rank 1: RankDied")
 
 
 def test_sys_exit_0_or_none_is_a_clean_exit(ip, temp_folder):

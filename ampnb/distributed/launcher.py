@@ -35,6 +35,7 @@ class RankResult:
     error: str | None
     status: str  # 'ok', 'failed', 'stopped' (ended by the launcher), 'timeout'
     failed_at: float | None = None  # time.monotonic() on the rank when it failed or died
+    in_distributed: bool = False  # its error came from torch.distributed: a likely consequence
 
 
 @dataclass(frozen=True, repr=False)
@@ -95,9 +96,12 @@ class RankFailed(RuntimeError):
 
 
 def _first_failure_first(ranks: tuple[RankResult, ...]) -> list[RankResult]:
-    """The failed and timed-out ranks, the one that failed first (the likely cause) first."""
+    """The failed and timed-out ranks, the likely cause first: a failure of the rank's own (its
+    code's exception, or its process dying) before one inside torch.distributed (a collective
+    that lost its peer, the agent's stop), each kind in the order they failed."""
     bad = [r for r in ranks if r.status in ("failed", "timeout") and r.error]
-    return sorted(bad, key=lambda r: (r.failed_at is None, r.failed_at or 0.0, r.rank))
+    return sorted(bad, key=lambda r: (r.failed_at is None, r.in_distributed, r.failed_at or 0.0,
+                                      r.rank))
 
 
 def _clip(text: str, width: int = 80) -> str:
@@ -227,7 +231,7 @@ def _collect(folder: Path, nproc: int, timeout: float | None) -> tuple[RankResul
         else:
             status = "ok" if got["error"] is None else "failed"
             results.append(RankResult(r, pids.get(r), output, got["value"], got["error"], status,
-                                      got.get("failed_at")))
+                                      got.get("failed_at"), got.get("in_distributed", False)))
     return tuple(results)
 
 

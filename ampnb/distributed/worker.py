@@ -110,8 +110,21 @@ def _run(job: Any, ns: dict[str, Any]) -> Any:
         return None if last is None else eval(last, ns)
 
 
+_DISTRIBUTED = str(Path(dist.__file__).parent) + os.sep
+
+
+def _from_distributed(error: BaseException) -> bool:
+    """Whether the error was raised inside torch.distributed (a collective, the rendezvous, the
+    agent's stop): what a rank gets when another rank failed, so it is no cause of its own."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_DISTRIBUTED)
+
+
 def _failure(error: BaseException, payload: Any) -> dict[str, Any]:
     return {"value": None, "error": _user_traceback(error, payload.files),
+            "in_distributed": _from_distributed(error),
             "failed_at": time.monotonic()}  # one clock for all ranks: which failed first
 
 
