@@ -4,7 +4,7 @@ own error stays (as the cause), with one line saying what the doctor expected.""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
@@ -12,9 +12,8 @@ from typing import Any
 import torch
 
 from ampnb.batch import ALLOWED, Batch
-from ampnb.display import dtype_name
+from ampnb.lowbit.inputs import TORCH_DIR, first_line, raised_in_torch, shown
 
-_TORCH = os.path.dirname(torch.__file__) + os.sep
 _BATCH = os.path.join("ampnb", "batch.py")
 _FORWARD = ("the model could not run the batch", "inputs the model accepts: " + ALLOWED
             + " (token ids as integer tensors)")
@@ -23,17 +22,6 @@ _LOSS = ("loss_fn could not take the model's output and the targets",
 _BACKWARD = ("the loss could not be backpropagated", "a floating-point scalar loss computed from "
              "the model's parameters (reduce it to one number, e.g. .mean(); an integer output "
              "such as argmax has no gradient)")
-
-
-def shown(x: Any) -> str:
-    """Tensors as dtype[shape] (and 'no grad' where asked), containers kept, others by type."""
-    if isinstance(x, torch.Tensor):
-        return f"{dtype_name(x.dtype)}{list(x.shape)}"
-    if isinstance(x, (tuple, list)):
-        return "(" + ", ".join(map(shown, x)) + ")"
-    if isinstance(x, Mapping):
-        return "{" + ", ".join(f"{k!r}: {shown(v)}" for k, v in x.items()) + "}"
-    return type(x).__name__
 
 
 def _frames(tb: TracebackType | None) -> list[Any]:
@@ -48,7 +36,7 @@ def _backward(frames: list[Any]) -> Any:
     """The tensor `.backward()` was called on, or True for another autograd entry, else None."""
     for f in frames:
         name, code = f.f_code.co_filename, f.f_code.co_name
-        if name.startswith(_TORCH) and code == "backward":
+        if name.startswith(TORCH_DIR) and code == "backward":
             loss = f.f_locals.get("self")
             return loss if isinstance(loss, torch.Tensor) else True
     return None
@@ -57,15 +45,14 @@ def _backward(frames: list[Any]) -> Any:
 def _explained(e: BaseException, batch: Batch, model: str, cell: bool) -> str | None:
     """The one line for a torch error in the step, or None (the user's own code raised it)."""
     frames = _frames(e.__traceback__)
-    if not frames or not frames[-1].f_code.co_filename.startswith(_TORCH):
+    if not raised_in_torch(e):
         return None  # raised by the user's own code (or ampnb's, already one line): as it is
-    first = (str(e).strip().splitlines() or [""])[0][:200]
     loss = _backward(frames)
     if loss is not None:
         what, allowed = _BACKWARD
         called = "" if loss is True else (
             f"; the loss was {shown(loss)}" + ("" if loss.requires_grad else " without a gradient"))
-        return f"{what} ({type(e).__name__}: {first}){called}; allowed: {allowed}"
+        return f"{what} ({first_line(e)}){called}; allowed: {allowed}"
     at = [f for f in frames if f.f_code.co_filename.endswith(_BATCH)]
     if cell or not at:
         return None  # a cell's own code (%%amp --doctor): the user's exception as it is
@@ -77,7 +64,7 @@ def _explained(e: BaseException, batch: Batch, model: str, cell: bool) -> str | 
         what, allowed = _FORWARD
         args = [shown(a) for a in batch.args] + [f"{k}={shown(v)}" for k, v in batch.kwargs.items()]
         called = f"{model}({', '.join(args)})"
-    return f"{what} ({type(e).__name__}: {first}); the doctor called {called}; allowed: {allowed}"
+    return f"{what} ({first_line(e)}); the doctor called {called}; allowed: {allowed}"
 
 
 @contextmanager

@@ -5,8 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,11 +13,11 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import Guard, deferred
-from ampnb.batch import as_batch
 from ampnb.display import Table, TableView, dtype_name, format_bytes
 from ampnb.fp8.layers import CONVERTIBLE, describe_left_out, kind_of, left_out, swap_children
 from ampnb.fp8.scaling import sqnr
 from ampnb.lowbit.formats import INV_127, LowBitFormat, get_lowbit, quantize_weight
+from ampnb.lowbit.inputs import run_inputs
 from ampnb.lowbit.int8 import THRESHOLD
 from ampnb.lowbit.layers import LOWBIT_LAYERS, Linear4bit, Linear8bitLt
 
@@ -113,44 +112,9 @@ def _layer_outputs(model: nn.Module, inputs: Any, names: set[str] | None = None)
         for m, training in modes:
             m.training = training
 
-    batch = as_batch(inputs)
     with Guard(register, restore), torch.no_grad():
-        try:
-            batch.call(model)
-        except (TypeError, RuntimeError, IndexError, ValueError) as e:
-            if not _raised_in_torch(e):
-                raise  # the model's own code failed: its own exception
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            raise ValueError(f"inputs={_shown(inputs)} did not fit {type(model).__name__} "
-                             f"({type(e).__name__}: {first}); allowed: {_INPUTS}") from e
+        run_inputs(model, inputs)
     return outs
-
-
-_INPUTS = ("the model's own inputs, a tensor or tuple of positional inputs or a dict of keyword "
-           "inputs (from an (inputs, targets) batch pass inputs=batch[0])")
-
-
-def _raised_in_torch(e: BaseException) -> bool:
-    """Whether torch itself raised e (its innermost frame is torch's), not the model's own code."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR)
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def _shown(x: Any) -> str:
-    """Tensors as dtype[shape], containers kept: '(float32[2, 64], float32[2, 64])'."""
-    if isinstance(x, torch.Tensor):
-        return f"{dtype_name(x.dtype)}{list(x.shape)}"
-    if isinstance(x, (tuple, list)):
-        inner = ", ".join(map(_shown, x))
-        return f"({inner})" if isinstance(x, tuple) else f"[{inner}]"
-    if isinstance(x, Mapping):
-        return "{" + ", ".join(f"{k!r}: {_shown(v)}" for k, v in x.items()) + "}"
-    return type(x).__name__
 
 
 def _features(cols: tuple[int, ...] | None) -> str:
