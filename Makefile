@@ -7,13 +7,13 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.ampnb-installed
 
-.PHONY: lab test unit notebooks notebooks-build browser lint bench gpu-check binder-url binder-check clean
+.PHONY: lab test unit notebooks notebooks-build browser lint bench gpu-check binder-url binder-check docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[lab,test]"
+	$(PY) -m pip install -q -e ".[lab,test,docs]"
 	touch $(STAMP)
 
 # Options for JupyterLab go in LAB_ARGS, e.g. in a container:
@@ -29,7 +29,7 @@ lab: $(STAMP)
 test: $(STAMP) lint unit notebooks browser
 
 lint: $(STAMP)
-	$(PY) -m ruff check ampnb tests benchmarks notebooks binder
+	$(PY) -m ruff check ampnb tests benchmarks notebooks binder docs
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/browser
@@ -61,5 +61,13 @@ binder-url:
 binder-check: $(STAMP)
 	AMPNB_BINDER_CHECK=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_binder.py -k fresh_venv
 
+# The documentation site: every tutorial executed (figures, tables, panels' widget state) and the
+# README's reference, warnings as errors; then a check that each page shows what its notebook
+# draws. Open build/docs/docs/index.html in a browser.
+docs: $(STAMP)
+	rm -rf build/docs
+	$(VENV)/bin/sphinx-build -q -W --keep-going -b html -c docs . build/docs
+	$(PY) docs/check_site.py
+
 clean:
-	rm -rf $(VENV) artifacts .pytest_cache .ruff_cache
+	rm -rf $(VENV) artifacts build .pytest_cache .ruff_cache
