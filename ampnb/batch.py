@@ -7,6 +7,7 @@ model's own loss is used: a `ModelOutput.loss`, a `"loss"` entry, or a scalar ou
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from ampnb._tree import map_tensors
+from ampnb.display import dtype_name
 
 ALLOWED = ("a tensor or tuple of positional inputs, a dict of keyword inputs, "
            "or (inputs, targets) with a loss_fn")
@@ -89,3 +91,32 @@ def step_loss(output: Any, batch: Batch, loss_fn: Callable[..., Any] | None) -> 
                          "pass loss_fn=, or a model that returns a scalar or an output with "
                          ".loss (e.g. a transformers model given labels=).")
     return loss
+
+
+# ----- when torch rejects what it was given --------------------------------------------------
+
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+def raised_in_torch(e: BaseException) -> bool:
+    """Whether torch itself raised e (its innermost frame is torch's), not the model's own code."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(TORCH_DIR)
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """'RuntimeError: <the first line of its message>', at most `limit` characters."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    text = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class _Shape(str):
+    __repr__ = str.__str__  # shown bare inside a container's repr
+
+
+def shown(x: Any) -> str:
+    """Tensors as dtype[shape] in the container's repr: '(float32[2, 64], int64[2])' (the type
+    alone when that is not one short line)."""
+    text = repr(map_tensors(lambda t: _Shape(f"{dtype_name(t.dtype)}{list(t.shape)}"), x))
+    return text if len(text) <= 200 and "\n" not in text else f"a {type(x).__name__}"

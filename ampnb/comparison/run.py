@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import Guard
+from ampnb.batch import first_line
 from ampnb.comparison.result import REFERENCE, Comparison, Row, dtypes, errors, kept
 from ampnb.device import TF32_ALLOWED, sync, tf32_setting, tf32_state
 from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
@@ -76,12 +77,6 @@ def _entries(modes: Iterable[str] | str, setting: str | None) -> list[_Entry]:
         setting = "on" if tf32_state().matmul else "off"
     entries = [_Entry(REFERENCE, "off"), *(_Entry(n, setting) for n in names)]
     return list(dict.fromkeys(entries))
-
-
-def _one_line(e: BaseException) -> str:
-    first = (str(e).strip().splitlines() or [""])[0]
-    text = f"{type(e).__name__}: {first}" if first else type(e).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-mixed",),
@@ -162,7 +157,7 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
         except Exception as error:  # noqa: BLE001 - one mode failing leaves the others' rows
             if e == entries[0]:
                 raise
-            failed[e] = _one_line(error)
+            failed[e] = first_line(error, 160)
             done += 1
             return None
 

@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from ampnb.batch import ALLOWED, Batch
-from ampnb.lowbit.inputs import TORCH_DIR, first_line, raised_in_torch, shown
+from ampnb.batch import ALLOWED, TORCH_DIR, Batch, first_line, raised_in_torch, shown
 
 _BATCH = os.path.join("ampnb", "batch.py")
 _FORWARD = ("the model could not run the batch", "inputs the model accepts: " + ALLOWED
