@@ -115,6 +115,7 @@ class PrecisionMode(TableView):
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Return the module in this mode's parameter dtype (in place, as nn.Module.to)."""
+        apex.needs_module(module, f"{self.name} convert_module")
         return module
 
     def convert_input(self, data: Any) -> Any:
@@ -209,6 +210,7 @@ class TrueMode(PrecisionMode):
         return default_dtype(self.param_dtype)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
+        apex.needs_module(module, f"{self.name} convert_module")
         return module.to(dtype=self.param_dtype)
 
     def convert_input(self, data: Any) -> Any:
@@ -310,6 +312,7 @@ class TransformerEngine(PrecisionMode):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap Linear and LayerNorm layers for TE's (real where it runs, else emulated), then cast
         the weights; a model that already has TE layers is left as it is, as Lightning does."""
+        apex.needs_module(module, f"{self.name} convert_module")
         if self.replace_layers is False:
             return module.to(dtype=self.param_dtype)
         param = next(module.parameters(), None)

@@ -231,3 +231,13 @@ def test_the_magic_profile_of_an_integer_output_model_is_one_usage_error():
         shell.user_ns.pop("model", None)
         shell.user_ns.pop("x", None)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true",
+                                  "64-true", "transformer-engine", "apex-O1", "apex-O3"])
+def test_every_modes_convert_module_refuses_what_is_not_a_module(name):
+    from ampnb.modes import get_mode
+
+    with pytest.raises(ValueError, match="allowed: an nn.Module") as e:
+        get_mode(name).convert_module(None)
+    assert "\n" not in str(e.value)
