@@ -11,6 +11,7 @@ has no `get_kernel`: there the same overrides run through a dispatch mode (slowe
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -180,3 +181,23 @@ def drop_overrides(keep: int = 0) -> None:
     interrupt cut short."""
     while len(_active) > keep:
         _active[-1].__exit__(None, None, None)
+
+
+def _override_files() -> frozenset[str]:
+    """The source files whose frames run an override's kernel (the mechanism and its users)."""
+    return frozenset(getattr(sys.modules.get(o.__module__), "__file__", None) or ""
+                     for o in (KernelOverride, *KernelOverride.__subclasses__())) | {__file__}
+
+
+def without_override_frames(error: BaseException) -> BaseException:
+    """error with the override's frames cut from the end of its traceback, so that a shape error
+    in the user's matmul ends at the user's line (or torch's), as it does without ampnb."""
+    files = _override_files()
+    last_kept, tb = None, error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename not in files:
+            last_kept = tb
+        tb = tb.tb_next
+    if last_kept is not None and last_kept.tb_next is not None:
+        last_kept.tb_next = None  # everything after it is the override's own frames
+    return error

@@ -162,3 +162,19 @@ def test_an_error_in_backward_shows_no_ampnb_frame(ip):
     assert "ampnb" not in shown.replace("%%amp", "")
     for name in ("t", "y"):
         ip.user_ns.pop(name, None)
+
+
+def test_a_shape_error_in_emulated_fp16_kernels_ends_in_the_users_code(ip):
+    """16-mixed runs its products in ampnb's kernels; the user's own mistake shows as without them."""
+    import re
+
+    from IPython.utils.capture import capture_output
+
+    ip.user_ns["bad"] = torch.randn(3, 5)  # lin takes 16 features
+    with capture_output() as out:
+        ip.run_cell("%%amp 16-mixed --fp16-kernels emulated\nlin(bad)\n")
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr)
+    assert "cannot be multiplied" in shown
+    frames = [line for line in shown.splitlines() if line.startswith("File ")]
+    assert frames and "ampnb" not in frames[-1] and "torch" in frames[-1], frames
+    ip.user_ns.pop("bad", None)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing import _prctl_pr_set_pdeathsig
 
+from ampnb._kernels import without_override_frames
 from ampnb._tree import map_tensors
 from ampnb.comparison.snapshot import cell_models
 from ampnb.device import restore_tf32, tf32_setting
@@ -52,7 +53,7 @@ def _redirect(path: Path) -> None:
 
 def _user_traceback(error: BaseException, files: dict[str, str]) -> str:
     """The traceback from the first frame of the cell (or of a function it sent) on."""
-    tb = error.__traceback__
+    tb = without_override_frames(error).__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename not in files:
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(error), error, tb or error.__traceback__))

@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from torch import nn
 
 from ampnb import _state
+from ampnb._kernels import without_override_frames
 from ampnb.comparison.snapshot import cell_models
 from ampnb.device import (
     TF32Setting,
@@ -178,6 +179,7 @@ def run_once(shell: Any, cell: str, s: StepSettings, args: Any) -> AmpRun:
             seconds = time.perf_counter() - t0
         except BaseException as e:
             instruments.note_finding(e, probes)
+            without_override_frames(e)  # in place: the user's error ends at the user's line
             raise
     emulation = entered[0][0]
     made = watch.made(value)
