@@ -130,6 +130,8 @@ def emulated_fp16_kernels(enabled: bool = True) -> contextlib.AbstractContextMan
 
     A Guard: the kernels are overridden whole and always handed back, also on an interrupt.
     """
+    if not isinstance(enabled, bool):  # 'no' is truthy: a string must not turn emulation on
+        raise ValueError(f"enabled={enabled!r} is not allowed; allowed: True or False")
     if not enabled:
         return contextlib.nullcontext()
     emulation = Fp16KernelEmulation()
@@ -161,6 +163,9 @@ def fp16_kernels_choice(value: str | Fp16Kernels | None = None) -> Fp16Kernels:
 
 def set_fp16_kernels(value: str | Fp16Kernels) -> Fp16Kernels:
     """Set how fp16 products run on CPUs from now on ('auto', 'native', 'emulated'); returns the old."""
+    if value is None:  # None means "the process-wide setting" elsewhere: here it would set nothing
+        raise ValueError(f"set_fp16_kernels(None) is not allowed; allowed: "
+                         f"{', '.join(FP16_KERNELS_ALLOWED)}")
     choice, previous = fp16_kernels_choice(value), _setting[0]
     _setting[0] = choice
     return previous

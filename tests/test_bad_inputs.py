@@ -241,3 +241,14 @@ def test_every_modes_convert_module_refuses_what_is_not_a_module(name):
     with pytest.raises(ValueError, match="allowed: an nn.Module") as e:
         get_mode(name).convert_module(None)
     assert "\n" not in str(e.value)
+
+
+def test_fp16_kernel_switches_refuse_what_they_would_misread():
+    from ampnb.fp16_kernels import emulated_fp16_kernels, fp16_kernels_choice, set_fp16_kernels
+
+    before = fp16_kernels_choice()
+    with pytest.raises(ValueError, match=r"set_fp16_kernels\(None\) is not allowed; allowed: "):
+        set_fp16_kernels(None)
+    with pytest.raises(ValueError, match="enabled='no' is not allowed; allowed: True or False"):
+        emulated_fp16_kernels("no")
+    assert fp16_kernels_choice() == before
