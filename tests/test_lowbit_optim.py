@@ -174,3 +174,16 @@ def test_compare_optimizers_trains_like_a_hand_written_loop():
             opt.zero_grad(set_to_none=True)
             want.append(loss.item())
     assert list(r.losses["Adam"]) == want
+
+
+def test_rows_that_agree_say_why():
+    """The demo's embeddings are under min_8bit_size: both Adam8bit runs keep them fp32."""
+    from ampnb.lowbit.optim import MIN_8BIT_SIZE
+    from ampnb.lowbit.optim_compare import compare_optimizers
+
+    r = compare_optimizers("gpt", steps=1)
+    same = set(r.eight_bit["Adam8bit"]) == set(r.eight_bit["Adam8bit, embeddings 32-bit"])
+    text = repr(r)
+    assert same == ("rows agree" in text)
+    if same:
+        assert f"min_8bit_size={MIN_8BIT_SIZE:,}" in text and "tok.weight" in text

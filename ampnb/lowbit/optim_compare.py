@@ -13,7 +13,7 @@ from torch import nn
 from ampnb.batch import as_batch
 from ampnb.display import Table, TableView, format_bytes
 from ampnb.instruments.memory import measure_memory
-from ampnb.lowbit.optim import Adam8bit, param_groups
+from ampnb.lowbit.optim import MIN_8BIT_SIZE, Adam8bit, param_groups
 from ampnb.modes import get_mode
 from ampnb.step import StepSettings, step_context, train_step
 
@@ -36,6 +36,7 @@ class OptimizerComparison(TableView):
     state_bytes: dict[str, int]
     eight_bit: dict[str, tuple[str, ...]]  # parameters whose state is 8-bit, per run
     n_params: int
+    notes: tuple[str, ...] = ()  # why rows agree where they do
 
     def table(self) -> Table:
         base = next(iter(self.state_bytes.values()))
@@ -48,7 +49,8 @@ class OptimizerComparison(TableView):
         return Table(("run", "optimizer state", "vs first", "bytes/param", "8-bit tensors",
                       "first loss", "last-10 mean loss"), rows,
                      caption="same model, same batches, same seed: Adam's state in 32 vs 8 bits",
-                     notes=("optimizer state measured by ampnb.instruments.memory after one step",))
+                     notes=("optimizer state measured by ampnb.instruments.memory after one step",
+                            *self.notes))
 
 
 def compare_optimizers(name: str = "gpt", steps: int = 150, *, lr: float | None = None, seed: int = 0,
@@ -79,4 +81,18 @@ def compare_optimizers(name: str = "gpt", steps: int = 150, *, lr: float | None 
                                   device=device, scaler=scaler)
                 curve.append(done.loss.item())
         losses[run] = tuple(curve)
-    return OptimizerComparison(losses, sizes, eight, d.n_params)
+    return OptimizerComparison(losses, sizes, eight, d.n_params, _same_state(eight, d.model))
+
+
+def _same_state(eight: dict[str, tuple[str, ...]], model: nn.Module) -> tuple[str, ...]:
+    """Say why two runs keep the same tensors in 8 bits (their rows then agree), from the sizes."""
+    notes = []
+    runs = [r for r, names in eight.items() if names]
+    small = [(n, p.numel()) for n, p in model.named_parameters() if p.numel() < MIN_8BIT_SIZE]
+    for a, b in itertools.combinations(runs, 2):
+        if set(eight[a]) == set(eight[b]):
+            some = ", ".join(f"{n} ({k:,} values)" for n, k in small[:3])
+            notes.append(f"{a!r} and {b!r} keep the same {len(eight[a])} tensors in 8 bits, so "
+                         f"their rows agree: tensors under min_8bit_size={MIN_8BIT_SIZE:,} keep "
+                         f"fp32 state in every Adam8bit run ({some}{', ...' if len(small) > 3 else ''})")
+    return tuple(notes)
