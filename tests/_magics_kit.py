@@ -38,3 +38,21 @@ def amp(ip, line, cell):
 def shown(out) -> str:
     """Everything a cell printed or displayed, as plain text."""
     return out.stdout + "".join(o.data.get("text/plain", "") for o in out.outputs)
+
+
+def loaded_shell():
+    """A shared InteractiveShell with ampnb loaded (for module-scoped fixtures), unloaded after."""
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "ampnb")
+    yield shell
+    shell.run_line_magic("unload_ext", "ampnb")
+
+
+def load_script(path, name: str):
+    """A script outside the package (binder/url.py, notebooks/src/build.py) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _magics_kit import load_script
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -31,14 +31,7 @@ PLACEHOLDER = re.compile(r"^(owner|user|username|you|your[-_]?\w*|org|organi[sz]
                          r"example|name|repo|repository)$|[<>{}]|xxx", re.I)
 
 
-def _load_url():
-    spec = importlib.util.spec_from_file_location("binder_url", BINDER / "url.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-url = _load_url()
+url = load_script(BINDER / "url.py", "binder_url")
 
 
 def _lines(path: Path) -> list[str]:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _magics_kit import loaded_shell
 from _sweep import PACKAGE, sweep
 from doctor_models import Plain, data
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from torch import nn
 
@@ -84,12 +84,7 @@ def lost_interrupts(fn, budget: int) -> tuple[int, list[str]]:
     return sweep(_state.snapshot, lambda _: fn(), check, budget)
 
 
-@pytest.fixture(scope="module")
-def ip():
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "ampnb")
-    yield shell
-    shell.run_line_magic("unload_ext", "ampnb")
+ip = pytest.fixture(scope="module", name="ip")(loaded_shell)
 
 
 def test_every_interrupt_during_amp_memory_reaches_the_caller(ip):

@@ -14,8 +14,8 @@ import signal
 
 import pytest
 import torch
+from _magics_kit import loaded_shell
 from _sweep import sweep
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from ampnb import _interrupt, _state
@@ -26,12 +26,7 @@ from ampnb.instruments.trace import is_internal, trace_ops
 BUDGET = int(os.environ.get("AMPNB_SWEEP_BUDGET", "60")) or 10**9
 
 
-@pytest.fixture(scope="module")
-def ip():
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "ampnb")
-    yield shell
-    shell.run_line_magic("unload_ext", "ampnb")
+ip = pytest.fixture(scope="module", name="ip")(loaded_shell)
 
 
 def _common(before: _state.TorchState) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import jupytext
 import nbformat
 import pytest
+from _magics_kit import load_script
 from nbformat.v4 import new_code_cell, new_output
 
 DIR = Path(__file__).resolve().parents[1] / "notebooks"  # what JupyterLab opens: the tutorials
@@ -22,14 +22,7 @@ TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d")  # ISO 8601, as kernel
 RUN_METADATA = {"execution", "ExecuteTime", "collapsed", "scrolled", "widgets"}
 
 
-def _load_build():
-    spec = importlib.util.spec_from_file_location("notebooks_build", SRC / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-build = _load_build()
+build = load_script(SRC / "build.py", "notebooks_build")
 
 
 def _cells(path: Path) -> list[dict]:
