@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ampnb._quiet import QuietProfile
 from ampnb.diagnosis.candidates import Candidate
 from ampnb.diagnosis.run import Setup, _copy, _scaler, _step
 from ampnb.display import Table, TableView, format_percent, format_seconds
@@ -84,7 +85,7 @@ def profile_run(setup: Setup, cand: Candidate, scale: float | None = None, top: 
     with cand.context(setup.device):
         if warmup:
             _step(net, opt, setup, cand, scaler)
-        with profile(activities=acts, record_shapes=True) as prof:
+        with QuietProfile(profile(activities=acts, record_shapes=True)) as prof:
             _step(net, opt, setup, cand, scaler)
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     self_s = {id(e): e.self_cpu_time_total * 1e-6 for e in events}
