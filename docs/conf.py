@@ -16,8 +16,8 @@ nb_execution_timeout = 300  # a cell that hangs fails the build instead
 nb_execution_raise_on_error = True  # a cell that fails fails the build
 nb_execution_show_tb = True
 nb_merge_streams = True
-# stderr stays out of the pages: the warnings a tutorial discusses are in its prose, and torch's
-# profiler writes start/stop lines to file descriptor 2 that no Python setting silences.
+# stderr stays out of the pages: the warnings a tutorial shows (an FP8 layer left out, say) are
+# discussed in its prose, and a warning in a page would fail the build (-W).
 nb_output_stderr = "remove"
 nb_kernel_rgx_aliases = {".*": "python3"}
 
