@@ -202,3 +202,14 @@ def test_a_step_that_turns_the_weights_nan_is_not_finite_and_its_cause_is_named(
     assert r.low_precision is None or r.low_precision.mode != "16-true"
     assert any(cause in line for line in r.recommended.reasons)  # named among the rejected
     assert "NO (optimizer step" in repr(r.table())
+
+
+def test_the_per_layer_headroom_shows_fp16_where_the_risk_is():
+    """Under a bf16-only run the per-layer headroom still has fp16 (not fp32, flat everywhere)."""
+    import ampnb
+    from ampnb.models import demo
+
+    d = demo("mlp")
+    report = ampnb.doctor(d.model, d.batches[0], d.loss_fn, modes=["bf16-mixed"], repeat=1)
+    keys = {k for row in report.layers for k in row.headroom}
+    assert "fp16" in keys and "fp32" not in keys

@@ -221,7 +221,10 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     fp64 = _fp64_check(setup, ref)
     # Local errors choose fp32 islands, which only the 16-bit modes get (TF32 and FP8 have none).
     local = local_errors(setup, ref, [cands[0], *(c for c in cands[1:] if c.name in ISLAND_MODES)])
-    formats = tuple(dict.fromkeys(get_format(c.mode.compute_dtype).name for c in cands))
+    # Headroom where the risk is: fp16's always (layers differ there), plus each narrow format a
+    # candidate computes in; fp32/fp64 (about 125+ binades everywhere) would show nothing.
+    narrow = (get_format(c.mode.compute_dtype).name for c in cands)
+    formats = tuple(dict.fromkeys(("fp16", *(f for f in narrow if f not in ("fp32", "fp64")))))
     layers = layer_rows(setup.model, ref, runs, local, formats)
     ref_s = sorted(times[REFERENCE])[len(times[REFERENCE]) // 2]
     rows: list[ModeRow] = [mode_row(c, runs[c.name], ref, times.get(c.name), ref_s)
