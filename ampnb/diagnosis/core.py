@@ -19,7 +19,7 @@ from ampnb.device import get_device, restore_tf32, tf32_state
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidates
 from ampnb.diagnosis.code import code
 from ampnb.diagnosis.errors import compare, flat, rel
-from ampnb.diagnosis.evidence import ModeRow, mode_row, per_param, underflow
+from ampnb.diagnosis.evidence import MIN_TIMED, ModeRow, mode_row, per_param, underflow
 from ampnb.diagnosis.failures import expected
 from ampnb.diagnosis.layers import layer_rows, local_errors
 from ampnb.diagnosis.profile import Profile, profile_run
@@ -30,7 +30,7 @@ from ampnb.formats import get_format
 from ampnb.modes import get_mode
 from ampnb.start import started
 
-SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed once
+SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed MIN_TIMED x
 MAX_REPEAT = 100  # timed steps per mode: more says nothing new and can run for hours
 
 
@@ -209,13 +209,19 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
                                f"({str(e).splitlines()[0][:100]})")
                 continue
             ran.append(cand)
-        if cand.label == "emulated":
-            continue  # its speed here says nothing about hardware that runs it natively
-        run = runs[cand.name]
-        slow = run.seconds > SLOW * ref.seconds  # plainly slower: one timed step tells enough
-        times[cand.name] = time_steps(setup, cand, 1 if slow else repeat, run.scale, warmup=0)
-        if profile:
-            profiles[cand.name] = profile_run(setup, cand, run.scale, warmup=False)
+    # emulated: its speed here says nothing about hardware that runs it natively
+    timed = [c for c in ran if c.label != "emulated"]
+    say(f"timing {len(timed)} modes round-robin ({repeat} steps each, "
+        f"{torch.get_num_threads()} threads)")
+    # plainly slower (its instrumented step took SLOW x the reference's): the fewest steps that
+    # still give a spread tell enough
+    steps = [min(repeat, MIN_TIMED) if runs[c.name].seconds > SLOW * ref.seconds else repeat
+             for c in timed]
+    found = time_steps(setup, [(c, runs[c.name].scale, (), k) for c, k in zip(timed, steps)])
+    times = {c.name: t for c, t in zip(timed, found)}
+    if profile:
+        for cand in timed:
+            profiles[cand.name] = profile_run(setup, cand, runs[cand.name].scale, warmup=False)
     say("fp64 check and per-layer local errors")
     cands = ran
     fp64 = _fp64_check(setup, ref)
@@ -226,9 +232,8 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     narrow = (get_format(c.mode.compute_dtype).name for c in cands)
     formats = tuple(dict.fromkeys(("fp16", *(f for f in narrow if f not in ("fp32", "fp64")))))
     layers = layer_rows(setup.model, ref, runs, local, formats)
-    ref_s = sorted(times[REFERENCE])[len(times[REFERENCE]) // 2]
-    rows: list[ModeRow] = [mode_row(c, runs[c.name], ref, times.get(c.name), ref_s)
-                           for c in cands]
+    rows: list[ModeRow] = [mode_row(c, runs[c.name], ref, times.get(c.name),
+                                    times.get(REFERENCE)) for c in cands]
     by_name = {c.name: c for c in cands}
     for row in list(rows[1:]):
         cand = by_name[row.name]
@@ -236,9 +241,9 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
         def rerun(keep: tuple[str, ...], cand: Candidate = cand) -> ModeRow:
             say(f"{cand.name} with {', '.join(keep)} kept in fp32: verifying")
             run = measure(setup, cand, keep, ref=ref)
-            timed = None if cand.label == "emulated" else time_steps(
-                setup, cand, repeat, run.scale, keep, warmup=0)
-            return mode_row(cand, run, ref, timed, ref_s, keep)
+            pair = [None, None] if cand.label == "emulated" else time_steps(  # against a fresh
+                setup, [(cands[0], None, (), repeat), (cand, run.scale, keep, repeat)])  # 32-true
+            return mode_row(cand, run, ref, pair[1], pair[0], keep)
 
         fixed = islands(row, layers, tol, rerun)
         if fixed is not None:
@@ -246,4 +251,5 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     rec, elsewhere = choose(rows, tol, lambda m, k, t: code(m, k, setup.device, t))
     grads = {c: per_param(r.grads, ref.grads) for c, r in runs.items() if c != REFERENCE}
     return DoctorReport(setup.device, rec, elsewhere, tuple(rows), layers, grads, profiles,
-                        tuple(skipped), fp64, tuple(_range_notes(ref, cands)), tol)
+                        tuple(skipped), fp64, tuple(_range_notes(ref, cands)), tol,
+                        torch.get_num_threads(), repeat)

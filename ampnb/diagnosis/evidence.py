@@ -13,6 +13,8 @@ from ampnb.diagnosis.errors import compare, flat, rel
 from ampnb.diagnosis.run import StepResult
 from ampnb.instruments.coverage_stats import coverage
 
+MIN_TIMED = 3  # fewer timed steps than this show no spread: no speed is claimed from them
+
 
 @dataclass(frozen=True)
 class ModeRow:
@@ -39,6 +41,20 @@ class ModeRow:
     skipped: int
     first_overflow: str       # 16-mixed: what overflowed at the GradScaler's initial scale
     vanishing_updates: float | None   # true modes: share of 32-true's updates this step lost
+    ratio: float | None = None        # 32-true's median step / this mode's, as measured
+    ratio_spread: tuple[float, float] | None = None    # its low-high from the two spreads
+    seconds_spread: tuple[float, float] | None = None  # this mode's step times, low-high
+    measurable: bool = False          # the spreads do not overlap: faster or slower for sure
+
+    @property
+    def speed(self) -> str:
+        """The speed against 32-true with its spread, or 'no measurable difference'."""
+        if self.ratio is None:
+            return "-"
+        spread = (f" ({self.ratio_spread[0]:.2f}-{self.ratio_spread[1]:.2f}x)"
+                  if self.ratio_spread else f" (fewer than {MIN_TIMED} timed steps: no spread)")
+        return (f"{self.ratio:.2f}x{spread}" if self.measurable
+                else f"no measurable difference{spread}")
 
     @property
     def label(self) -> str:
@@ -68,11 +84,41 @@ def underflow(grads: dict[str, torch.Tensor], scale: float) -> float:
     return coverage(vals, "fp16").underflow if vals.numel() else 0.0
 
 
-def mode_row(cand: Candidate, run: StepResult, ref: StepResult, times: list[float] | None,
-             ref_seconds: float | None, keep: tuple[str, ...] = ()) -> ModeRow:
-    """The evidence row of one run against the reference."""
+def spread(times: list[float] | None) -> tuple[float, float] | None:
+    """Low-high of step times: the interquartile range from 5 steps, min-max below that (too
+    few for quartiles); None below MIN_TIMED steps (no spread to judge noise by)."""
+    if not times or len(times) < MIN_TIMED or min(times) <= 0:
+        return None
+    if len(times) < 5:
+        return min(times), max(times)
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return q1, q3
+
+
+def speed(times: list[float] | None, ref_times: list[float] | None
+          ) -> tuple[float | None, float | None, tuple[float, float] | None, bool]:
+    """(speedup the spread supports, measured median ratio, its low-high, measurable)."""
     seconds = statistics.median(times) if times else None
-    speedup = ref_seconds / seconds if seconds and ref_seconds else None
+    ref_s = statistics.median(ref_times) if ref_times else None
+    if not seconds or not ref_s:
+        return None, None, None, False
+    ratio = ref_s / seconds
+    mine, ref = spread(times), spread(ref_times)
+    if mine is None or ref is None:
+        return 1.0, ratio, None, False
+    low, high = ref[0] / mine[1], ref[1] / mine[0]
+    # Faster (slower) only when the spreads do not overlap: the mode's slow end (upper quartile)
+    # beats 32-true's fast end (lower quartile), or the reverse; else noise could explain it.
+    measurable = low > 1 or high < 1
+    return (ratio if measurable else 1.0), ratio, (low, high), measurable
+
+
+def mode_row(cand: Candidate, run: StepResult, ref: StepResult, times: list[float] | None,
+             ref_times: list[float] | None, keep: tuple[str, ...] = ()) -> ModeRow:
+    """The evidence row of one run against the reference (`ref_times` timed round-robin with
+    `times`); `speedup` is the measured ratio when measurable, 1.0 when noise could explain it."""
+    seconds = statistics.median(times) if times else None
+    speedup, ratio, ratio_spread, measurable = speed(times, ref_times)
     # inf/NaN in the loss, forward or gradients: where the hunter found it; else in the weights
     nf = run.nonfinite if not run.step_finite else None
     message, module, phase = (nf.message, _module(nf.module), nf.phase) if nf else (
@@ -82,7 +128,8 @@ def mode_row(cand: Candidate, run: StepResult, ref: StepResult, times: list[floa
         cand.name, cand.how, cand.native, keep, seconds, speedup, run.param_bytes, run.grad_bytes,
         run.optimizer_bytes, run.saved_bytes, run.loss, rel(run.loss, ref.loss),
         grad_error(run.grads, ref.grads), run.finite, message, module, phase, run.scale,
-        run.skipped, first.message if first else "", run.lost_updates)
+        run.skipped, first.message if first else "", run.lost_updates, ratio, ratio_spread,
+        spread(times), measurable)
 
 
 def _module(path: str) -> str:

@@ -11,7 +11,7 @@ from ampnb.diagnosis.evidence import ModeRow, acceptable
 from ampnb.diagnosis.layers import LayerRow
 from ampnb.display import format_bytes
 
-SPEEDUP_MIN = 1.1   # below this a measured speedup is within a shared machine's noise
+SPEEDUP_MIN = 1.1   # a measurable speedup (spreads apart, see evidence.speed) must reach this too
 ISLAND_MODES = {"bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16", "16-true": "fp16"}
 PREFERENCE = ("bf16-mixed", "16-mixed", "transformer-engine", "bf16-true", "16-true")
 MAX_ISLANDS = 8
@@ -119,7 +119,7 @@ def _why_not(row: ModeRow, tol: Tolerance) -> str:
 
 
 def _speed(row: ModeRow) -> str:
-    return "-" if row.speedup is None else f"{row.speedup:.2f}x"
+    return row.speed
 
 
 def choose(rows: list[ModeRow], tol: Tolerance, code: Callable[[str, tuple[str, ...], bool], str],
@@ -127,7 +127,8 @@ def choose(rows: list[ModeRow], tol: Tolerance, code: Callable[[str, tuple[str, 
     """(recommendation for this machine, best low-precision choice elsewhere or None)."""
     ref = rows[0]
     ok = [r for r in rows[1:] if acceptable(r, tol.loss, tol.grad)]
-    fast = [r for r in ok if r.native and r.speedup is not None and r.speedup >= SPEEDUP_MIN]
+    fast = [r for r in ok if r.native and r.measurable and r.speedup is not None
+            and r.speedup >= SPEEDUP_MIN]
     lowp = [r for r in ok if r.name in PREFERENCE]
     lowp.sort(key=lambda r: (PREFERENCE.index(r.name), len(r.keep_fp32)))
     rejected = [_why_not(r, tol) for r in rows[1:] if r not in ok and not any(
@@ -138,8 +139,9 @@ def choose(rows: list[ModeRow], tol: Tolerance, code: Callable[[str, tuple[str, 
         return _make(pick, ref, rows, tol, code, rejected), (
             None if best_low is None or best_low.mode == pick.name else best_low)
     slow = [f"{r.label}: {_speed(r)} ({r.how})" for r in rows[1:] if r in ok]
-    reasons = [f"nothing that stays within tolerance is faster than 32-true on this machine "
-               f"(a speedup of at least {SPEEDUP_MIN}x with native units counts)", *slow,
+    reasons = [f"nothing that stays within tolerance is measurably faster than 32-true on this "
+               f"machine (counted: native units, at least {SPEEDUP_MIN}x, and the mode's slow end "
+               "of step times below 32-true's fast end, timed round-robin)", *slow,
                *rejected]
     return (Recommendation("32-true", (), tuple(reasons), code("32-true", (), False)), best_low)
 

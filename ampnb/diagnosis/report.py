@@ -24,6 +24,13 @@ def _binades(x: float) -> str:
     return "-" if math.isinf(x) or math.isnan(x) else f"{x:+.1f}"
 
 
+def _seconds(row: ModeRow) -> str:
+    if row.seconds_spread is None:
+        return format_seconds(row.seconds)
+    low, high = row.seconds_spread
+    return f"{format_seconds(row.seconds)} ({format_seconds(low)}-{format_seconds(high)})"
+
+
 @dataclass(frozen=True, eq=False)
 class DoctorReport:
     """What `ampnb.doctor` found: `.recommended`, `.modes`, `.layers`, `.gradients`, `.profiles`."""
@@ -39,6 +46,8 @@ class DoctorReport:
     fp64: str
     range_notes: tuple[str, ...]
     tolerance: Tolerance
+    threads: int | None = None   # torch.get_num_threads() while timing (left as the user set it)
+    repeat: int = 0              # timed steps per mode, round-robin across modes
 
     def mode(self, name: str, keep: tuple[str, ...] = ()) -> ModeRow:
         """The row of a candidate (with given islands)."""
@@ -48,10 +57,20 @@ class DoctorReport:
         raise ValueError(f"mode {name!r} was not run; run: {', '.join(r.label for r in self.modes)}")
 
     @property
+    def timing(self) -> str:
+        """How the speeds were measured: steps, order, spread and threads."""
+        return (f"timing: {self.repeat} steps per mode after a warm-up round, round-robin across "
+                "modes (drift hits all alike); spread: interquartile range of step times "
+                "(min-max under 5 steps); faster or slower only when the spreads do not overlap; "
+                f"{self.threads} CPU threads (torch.get_num_threads(), as set)")
+
+    @property
     def verdict(self) -> str:
         """The recommendation and its reasons, then the low-precision choice for elsewhere."""
         lines = [f"On {self.device}: use {self.recommended.headline}"]
         lines += [f"- {r}" for r in self.recommended.reasons]
+        if self.threads is not None:
+            lines.append(f"- {self.timing}")
         if self.elsewhere is not None:
             lines.append(f"Where {self.elsewhere.mode} has native units (e.g. a recent GPU): "
                          f"{self.elsewhere.headline}")
@@ -60,8 +79,8 @@ class DoctorReport:
 
     def table(self) -> Table:
         """Speed, memory, accuracy and range per mode."""
-        rows = [(r.label, r.how.split(";")[0], format_seconds(r.seconds),
-                 "-" if r.speedup is None else f"{r.speedup:.2f}x", format_bytes(r.memory_bytes),
+        rows = [(r.label, r.how.split(";")[0], _seconds(r), "-" if r is self.modes[0] else r.speed,
+                 format_bytes(r.memory_bytes),
                  format_bytes(r.saved_bytes), _err(r.loss_error), _err(r.grad_error),
                  "yes" if r.finite else f"NO ({' '.join(filter(None, (r.nonfinite_phase, r.nonfinite_module)))})",
                  "-" if r.scale is None else f"2^{math.log2(r.scale):.0f}" + (
@@ -69,6 +88,8 @@ class DoctorReport:
                  "-" if r.vanishing_updates is None else format_percent(r.vanishing_updates))
                 for r in self.modes]
         notes = [self.fp64, *self.range_notes, *(f"not run: {s}" for s in self.skipped)]
+        if self.threads is not None:
+            notes.append(self.timing)
         if any(r.seconds is None for r in self.modes):
             notes.append("emulated modes are not timed: their speed here says nothing about "
                          "hardware that runs them natively")
@@ -76,7 +97,8 @@ class DoctorReport:
         notes += [f"{r.label}: at the GradScaler's initial scale, {r.first_overflow}"
                   for r in self.modes if r.first_overflow]
         notes += [f"why {name}: {p.why}" for name, p in self.profiles.items()]
-        return Table(("mode", "runs here", "median step", "speedup", "memory", "saved for bwd",
+        return Table(("mode", "runs here", "median step (spread)", "vs 32-true (spread)",
+                      "memory", "saved for bwd",
                       "loss err", "grad err", "finite", "loss scale", "vanishing updates"), rows,
                      caption=f"evidence per mode on {self.device} (errors relative to 32-true; "
                              f"tolerance loss {self.tolerance.loss:g}, gradients "

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,18 +265,33 @@ def _rescale(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
                 nonfinite=NonFinite(False, ops_checked=found.ops_checked), **left)
 
 
-def time_steps(setup: Setup, cand: Candidate, repeat: int, scale: float | None = None,
-               keep: tuple[str, ...] = (), warmup: int = 1) -> list[float]:
-    """Wall times of `repeat` full steps (forward, backward, optimizer step) after warm-up."""
-    net, opt = _copy(setup, cand)
-    scaler = _scaler(cand, setup.device, scale)
-    times = []
-    with _keep(net, keep), cand.context(setup.device):
-        for i in range(repeat + warmup):
-            sync(setup.device)
-            t0 = time.perf_counter()
-            _step(net, opt, setup, cand, scaler)
-            sync(setup.device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+def time_steps(setup: Setup, runs: Sequence[tuple[Candidate, float | None, tuple[str, ...], int]],
+               warmup: int = 1) -> list[list[float]]:
+    """Wall times of full steps (forward, backward, optimizer step) of several runs, each
+    (candidate, loss scale, fp32 islands, timed steps), after `warmup` untimed rounds. The steps
+    go round-robin across the runs, so drift on a shared machine (another job, OpenMP spin) hits
+    every mode alike; torch's thread count is left as the user has it."""
+    copies = []
+    for cand, scale, _, _ in runs:
+        net, opt = _copy(setup, cand)
+        copies.append((net, opt, _scaler(cand, setup.device, scale)))
+    times: list[list[float]] = [[] for _ in runs]
+    with contextlib.ExitStack() as islands:  # each copy's own modules: all held at once
+        for (_, _, keep, _), (net, _, _) in zip(runs, copies):
+            islands.enter_context(_keep(net, keep))
+        for i in range(warmup + max((n for *_, n in runs), default=0)):
+            for (cand, _, _, n), (net, opt, scaler), found in zip(runs, copies, times):
+                if i < warmup + n:
+                    _timed(setup, cand, net, opt, scaler, found if i >= warmup else [])
     return times
+
+
+def _timed(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.Optimizer,
+           scaler: torch.amp.GradScaler | None, found: list[float]) -> None:
+    """One step of one run in its mode's context (autocast is global: entered per step)."""
+    with cand.context(setup.device):
+        sync(setup.device)
+        t0 = time.perf_counter()
+        _step(net, opt, setup, cand, scaler)
+        sync(setup.device)
+        found.append(time.perf_counter() - t0)
