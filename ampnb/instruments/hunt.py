@@ -1,4 +1,13 @@
-"""Non-finite hunter: the first op that computed inf/NaN from finite inputs."""
+"""Non-finite hunter: the first op that computed inf/NaN from finite inputs that reached the end.
+
+Each tensor produced holding inf/NaN carries a chain: the ops ("origins") its inf/NaN came
+from. An op whose output is non-finite passes its non-finite inputs' origins on (or is an
+origin itself when its inputs were all finite); an op whose output is finite (torch.where
+masking T5's log(0), softmax over an attention mask, a cast to integers) ends those chains.
+At report time the cause is the earliest origin of a chain nobody ended (the loss, a gradient,
+what the step returned); origins whose chains were all ended were made on purpose and
+discarded, and are listed as such, never blamed.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +61,14 @@ class NonFinite(TableView):
     ops_checked: int = 0
     deliberate: int = 0  # ops given an inf/NaN constant (masked_fill(-inf)): not blamed
     value: Any = field(default=None, repr=False)
+    # ops that made inf/NaN from finite inputs which was masked away before the end (T5's
+    # log(0) under torch.where): made on purpose and discarded, never the cause
+    discarded: tuple[NonFinite, ...] = field(default=(), repr=False)
+
+    @property
+    def where_text(self) -> str:
+        """'float32 log in encoder.block.0 (forward)'."""
+        return f"{self.output_dtype} {self.op} in {self.module or 'no module'} ({self.phase})"
 
     def __bool__(self) -> bool:
         return self.found
@@ -59,13 +76,22 @@ class NonFinite(TableView):
     @property
     def message(self) -> str:
         """One line saying what went non-finite, where, and by how much."""
+        if not self.discarded:
+            return self._message()
+        shown = ", ".join(d.where_text for d in self.discarded[:3])
+        more = f" and {len(self.discarded) - 3} more" if len(self.discarded) > 3 else ""
+        return (f"{self._message()}; {len(self.discarded)} made inf/NaN on purpose and "
+                f"discarded it before the end: {shown}{more}")
+
+    def _message(self) -> str:
         where = f"{self.op} in {self.module or 'no module'} ({self.phase})"
         what = ", ".join(f"{n} {k}" for n, k in ((self.n_inf, "inf"), (self.n_nan, "NaN")) if n)
         head = f"{self.output_dtype} {where} made {what} of {self.count} values"
         if not self.found:
             aside = (f" ({self.deliberate} wrote inf/NaN constants on purpose, e.g. "
                      "masked_fill(mask, -inf))") if self.deliberate else ""
-            none = f"no inf/NaN made from finite values in {self.ops_checked} ops{aside}"
+            none = (f"no inf/NaN made from finite values reached the end in {self.ops_checked} "
+                    f"ops{aside}")
             if not self.op:
                 return none
             return (f"{none}; inf/NaN came in from outside the code run (data, weights): "
@@ -140,30 +166,83 @@ _OVERWRITE = frozenset({"fill_", "zero_", "copy_", "bernoulli_", "uniform_", "no
                         "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"})
 
 
+# Ops that read only their input's shape and dtype (backward's ones_like(loss)): they use up
+# no inf/NaN, so they end no chain.
+_SHAPE_ONLY = frozenset({"ones_like", "zeros_like", "full_like", "rand_like", "randn_like",
+                         "randint_like", "new_ones", "new_zeros", "new_full", "scalar_tensor",
+                         "ones", "zeros", "full", "sym_size", "sym_numel", "sym_stride"})
+
+
 def _allocates(name: str) -> bool:
     return name in _ALLOCATE or name.startswith(_ALLOCATE_PREFIXES)
 
 
-class Hunter(OpWatch):
-    """`with Hunter() as h:` checks every op's floating outputs; h.report() names the first.
+_PENDING, _ON, _ENDED = 0, 1, 2  # a chain's state: nobody used it yet, passed on, ended
+_KEEP_ORIGINS = 8  # origins a chain carries at most (those that may be blamed first)
 
-    Only an op whose floating inputs were all finite and whose computed output is not may be
-    blamed. inf/NaN that an op was handed from outside the run (data, weights) is reported
-    where it was first seen entering, and the report stays falsy.
+
+class _Origin:
+    """An op where inf/NaN started: 'made' from finite inputs (found says where; the only
+    kind ever blamed), 'deliberate' (an inf/NaN constant), 'outside' or 'allocated'."""
+
+    __slots__ = ("found", "kind", "seq")
+
+    def __init__(self, seq: int, kind: str, found: NonFinite | None = None) -> None:
+        self.seq, self.kind, self.found = seq, kind, found
+
+    def key(self) -> tuple[bool, int]:
+        return (self.kind != "made", self.seq)
+
+
+class _Chain:
+    """What one non-finite op output carries: its origins, and whether it was used."""
+
+    __slots__ = ("origins", "state")
+
+    def __init__(self, origins: tuple[_Origin, ...]) -> None:
+        self.origins, self.state = origins, _PENDING
+
+
+def _ends_chains(out: Any) -> bool:
+    """An op with no floating output ends its inputs' chains when it computes values from them
+    (a cast to integers); one that only inspects them (isinf, a comparison, .item()) does not."""
+    return any(not t.is_floating_point() and t.dtype != torch.bool for t in tensors(out))
+
+
+class Hunter(OpWatch):
+    """`with Hunter() as h:` checks every op's floating outputs; h.report() names the cause.
+
+    The cause is the first op that made inf/NaN from finite inputs whose inf/NaN reached the
+    end of the run (the loss, a gradient) through ops whose outputs all held inf/NaN. inf/NaN
+    made and then masked away is listed as discarded, never blamed. inf/NaN that an op was
+    handed from outside the run (data, weights) is reported where it was first seen entering,
+    and the report stays falsy.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.result: NonFinite | None = None
         self.seen_from_outside: NonFinite | None = None
         self.ops = self.deliberate = 0
         # Tensors made inside the run that hold (or may hold) inf/NaN: allocations, inf/NaN
         # constants and what flowed from them. inf/NaN in any other input came from outside.
         self._made: WeakIdMap = WeakIdMap()
+        self._chains: WeakIdMap = WeakIdMap()  # non-finite tensor -> its _Chain
+        self._all: list[_Chain] = []
+        self._origins = 0
+
+    @property
+    def result(self) -> NonFinite | None:
+        """The cause as things stand (None when no inf/NaN made inside reached the end)."""
+        cause, _ = self._settle()
+        return cause
+
+    def _origin(self, kind: str, found: NonFinite | None = None) -> _Origin:
+        self._origins += 1
+        return _Origin(self._origins, kind, found)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.result is not None or is_internal():
+        if is_internal():
             return func(*args, **kwargs)
         name = _op_name(func)
         if _allocates(name):
@@ -182,30 +261,74 @@ class Hunter(OpWatch):
             bad_before = [t for t in ins if not _finite(t)] if mutable else None
         out = func(*args, **kwargs)
         self.ops += 1
-        outs = _floats(out) + given + (ins if mutable else [])
+        fresh = _floats(out)
+        written_to = given + (ins if mutable else [])
+        outs = fresh + written_to
         with internal():  # the checks stay out of a trace running at the same time
             if all(_finite(t) for t in outs):
+                if self._chains and name not in _SHAPE_ONLY and (outs or _ends_chains(out)):
+                    for t in ins:  # their inf/NaN was used up here: masked away, cast
+                        chain = self._chains.get(t)
+                        if chain is not None and chain.state == _PENDING:
+                            chain.state = _ENDED
+                    for t in written_to:  # now finite: no longer carries a chain
+                        self._chains.pop(t)
                 return out
             for t in outs:
                 self._made[t] = True
+            bad_in = bad_before if mutable else [t for t in ins if not _finite(t)]
+            origins: list[_Origin] = []
+            for t in bad_in:
+                chain = self._chains.get(t)
+                if chain is not None:
+                    chain.state = _ON
+                    origins.extend(chain.origins)
             if _deliberate((args, kwargs)):  # masked_fill(mask, -inf): an attention mask
                 self.deliberate += 1
-                return out
-            bad_in = bad_before if mutable else [t for t in ins if not _finite(t)]
-            if not bad_in:
-                self.result = self._blame(func, args, kwargs, ins, outs, True)
-            elif self.seen_from_outside is None and any(t not in self._made for t in bad_in):
-                self.seen_from_outside = self._blame(func, args, kwargs, ins, outs, False)
+                origins.append(self._origin("deliberate"))
+            elif not bad_in:
+                origins.append(self._origin(
+                    "made", self._blame(func, args, kwargs, ins, outs, True)))
+            elif any(t not in self._made for t in bad_in):
+                if self.seen_from_outside is None:
+                    self.seen_from_outside = self._blame(func, args, kwargs, ins, outs, False)
+                origins.append(self._origin("outside"))
+            unique = sorted({id(o): o for o in origins}.values(), key=_Origin.key)
+            chain = _Chain(tuple(unique[:_KEEP_ORIGINS]))
+            self._all.append(chain)
+            for t in outs:
+                if _finite(t):
+                    self._chains.pop(t)
+                else:
+                    self._chains[t] = chain
         return out
 
+    def _settle(self) -> tuple[NonFinite | None, tuple[NonFinite, ...]]:
+        """(the cause, the inf/NaN made and discarded) from the chains as they stand."""
+        reached: dict[int, _Origin] = {}
+        ended: dict[int, _Origin] = {}
+        for chain in self._all:
+            if chain.state == _ON:
+                continue
+            into = reached if chain.state == _PENDING else ended
+            for o in chain.origins:
+                if o.kind == "made":
+                    into[id(o)] = o
+        cause = min(reached.values(), key=_Origin.key, default=None)
+        discarded = sorted((o for k, o in ended.items() if k not in reached), key=_Origin.key)
+        return (cause.found if cause else None), tuple(o.found for o in discarded if o.found)
+
     def report(self, value: Any = None) -> NonFinite:
-        """The first op that made inf/NaN from finite inputs; falsy otherwise (then it still
-        says where inf/NaN first came in from outside, if it did)."""
-        found = self.result or self.seen_from_outside
+        """The first op that made inf/NaN from finite inputs that reached the end; falsy
+        otherwise (then it still says where inf/NaN first came in from outside, if it did).
+        Either way `discarded` lists the inf/NaN made on purpose and masked away."""
+        cause, discarded = self._settle()
+        found = cause or self.seen_from_outside
         if found is None:
-            return NonFinite(False, ops_checked=self.ops, deliberate=self.deliberate, value=value)
+            return NonFinite(False, ops_checked=self.ops, deliberate=self.deliberate, value=value,
+                             discarded=discarded)
         return dataclasses.replace(found, ops_checked=self.ops, deliberate=self.deliberate,
-                                   value=value)
+                                   value=value, discarded=discarded)
 
     def _blame(self, func: Any, args: Any, kwargs: Any, ins: list[torch.Tensor],
                outs: list[torch.Tensor], finite_in: bool) -> NonFinite:
@@ -221,7 +344,8 @@ class Hunter(OpWatch):
 
 
 def find_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFinite:
-    """Run fn(*args, **kwargs) and report the first op that turned finite inputs into inf/NaN."""
+    """Run fn(*args, **kwargs) and report the first op that turned finite inputs into inf/NaN
+    which then reached the end (loss, gradients); inf/NaN masked away is listed as discarded."""
     if not callable(fn):
         raise ValueError(f"find_nonfinite needs a function to run (e.g. a forward + backward "
                          f"step), got {type(fn).__name__}")
@@ -229,7 +353,8 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFini
     try:
         value = hunter(fn)(*args, **kwargs)  # not `with`: see OpWatch
     except Exception as e:
-        if hunter.result or hunter.seen_from_outside:
-            e.add_note(f"ampnb.find_nonfinite: {hunter.report().message}")
+        found = hunter.report()
+        if found or found.op:
+            e.add_note(f"ampnb.find_nonfinite: {found.message}")
         raise
     return hunter.report(value)
