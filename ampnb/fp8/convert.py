@@ -11,7 +11,15 @@ from torch import nn
 from ampnb.display import Table, TableView
 from ampnb.fp8.layernorm import TeLayerNorm, replaceable
 from ampnb.fp8.layernorm import unsupported_reason as ln_unsupported
-from ampnb.fp8.layers import CONVERTIBLE, describe_left_out, kind_of, left_out, swap_children
+from ampnb.fp8.layers import (
+    CONVERTIBLE,
+    ParameterShare,
+    describe_left_out,
+    kind_of,
+    left_out,
+    parameter_share,
+    swap_children,
+)
 from ampnb.fp8.linear import MATMULS, Fp8Linear
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 
@@ -38,6 +46,16 @@ class Fp8Report(TableView):
 
     layers: tuple[LayerChoice, ...]
     left_out: tuple[tuple[str, int], ...] = ()  # other modules with parameters, by type
+    params: ParameterShare = ParameterShare()  # the FP8 layers' weights among all parameters
+
+    @property
+    def headline(self) -> str:
+        """'8 of 9 linear layers in FP8', with the share of parameters when a large module is left out."""
+        text = f"{len(self.converted)} of {len(self.layers)} linear layers in FP8"
+        if self.params.large_left_out and self.params.total:
+            text += (f", {self.params.percent} of the parameters; "
+                     f"left out: {describe_left_out(self.left_out)}")
+        return text
 
     @property
     def converted(self) -> tuple[str, ...]:
@@ -58,7 +76,7 @@ class Fp8Report(TableView):
         notes = (f"left out (not {' or '.join(CONVERTIBLE)}): {describe_left_out(self.left_out)}",
                  ) if self.left_out else ()
         return Table(("layer", "type", "in→out", "precision", "why not FP8"), rows,
-                     caption=f"{len(self.converted)} of {len(self.layers)} linear layers in FP8",
+                     caption=self.headline,
                      notes=notes)
 
 
@@ -74,21 +92,24 @@ def unsupported_reason(layer: nn.Module) -> str:
 
 
 def _report(model: nn.Module, planned: bool) -> Fp8Report:
-    layers, taken = [], []
+    layers, taken, weights = [], [], []
     for name, m in model.named_modules():
         if isinstance(m, Fp8Linear):
             kind = "Conv1D" if m.transposed else "Linear"
             layers.append(LayerChoice(name, kind, m.in_features, m.out_features, True))
+            weights.append(m.weight)
         elif (kind := kind_of(m)) is not None:
             n_in, n_out = kind.features(m)
             reason = unsupported_reason(m)
             fp8 = planned and not reason
             layers.append(LayerChoice(name, kind.name, n_in, n_out, fp8,
                                       reason or ("" if fp8 else "not converted")))
+            if fp8:
+                weights.append(m.weight)
         else:
             continue
         taken.append(m)
-    return Fp8Report(tuple(layers), left_out(model, taken))
+    return Fp8Report(tuple(layers), left_out(model, taken), parameter_share(model, taken, weights))
 
 
 def fp8_report(model: nn.Module) -> Fp8Report:

@@ -68,6 +68,52 @@ def left_out(model: nn.Module, taken: Iterable[nn.Module]) -> tuple[tuple[str, i
     return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def _holds_matmul_weights(m: nn.Module) -> bool:
+    """A weight of two or more dimensions of its own that is not an embedding table (experts, convs)."""
+    return not isinstance(m, nn.Embedding) and any(
+        p.dim() >= 2 for p in m.parameters(recurse=False))
+
+
+@dataclass(frozen=True)
+class ParameterShare:
+    """How many of a model's parameters the converted layers' weights hold.
+
+    `large_left_out`: a module left out holds matmul-sized weights (fused experts, a convolution,
+    attention's packed projections), so counting layers alone would mislead.
+    """
+
+    converted: int = 0
+    total: int = 0
+    large_left_out: bool = False
+
+    @property
+    def percent(self) -> str:
+        """'44 %' ('<1 %', '>99 %' rather than rounding to the ends)."""
+        if not self.total:
+            return "-"
+        share = 100 * self.converted / self.total
+        if 0 < share < 0.5:
+            return "<1 %"
+        if 99.5 <= share < 100:
+            return ">99 %"
+        return f"{share:.0f} %"
+
+
+def parameter_share(model: nn.Module, taken: Iterable[nn.Module], converted: Iterable[torch.Tensor],
+                    extra_total: int = 0, exclude: Iterable[torch.Tensor] = ()) -> ParameterShare:
+    """The converted weights (each tensor once) against all the model's parameters (each once).
+
+    `extra_total`: weights no longer held as parameters (a quantized layer's codes) counted in;
+    `exclude`: parameters not to count (their stored forms, already in `extra_total`).
+    """
+    taken_ids = set(map(id, taken))
+    skip = set(map(id, exclude))
+    total = {id(p): p.numel() for p in model.parameters() if id(p) not in skip}
+    done = {id(w): w.numel() for w in converted}
+    large = any(id(m) not in taken_ids and _holds_matmul_weights(m) for m in model.modules())
+    return ParameterShare(sum(done.values()), sum(total.values()) + extra_total, large)
+
+
 def describe_left_out(counts: tuple[tuple[str, int], ...]) -> str:
     """'2 Embedding, 5 LayerNorm' ('' when nothing was left out)."""
     return ", ".join(f"{n} {name}" for name, n in counts)

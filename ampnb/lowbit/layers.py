@@ -48,10 +48,13 @@ class _LowBitLinear(nn.Module):
     fmt: LowBitFormat
 
     def __init__(self, fmt: LowBitFormat, in_features: int, out_features: int,
-                 bias: torch.Tensor | None, transposed: bool) -> None:
+                 bias: torch.Tensor | None, transposed: bool, weight_dtype: torch.dtype) -> None:
         super().__init__()
         self.fmt, self.in_features, self.out_features = fmt, in_features, out_features
         self.transposed = transposed
+        # The source layer's weight dtype: `.weight` comes back in it, so a model whose own forward
+        # reads the weight (Mamba's `dt_proj.weight @ x`) meets the dtype it was written for.
+        self.weight_dtype = weight_dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), bias.requires_grad)
 
     def extra_repr(self) -> str:
@@ -60,8 +63,13 @@ class _LowBitLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight the matmul uses, dequantized, in the source layer's layout."""
-        w = self.linear_weight()
+        """The weight the matmul uses, dequantized to the source weight's dtype, in its layout.
+
+        For a model whose forward reads `layer.weight` itself rather than calling the layer: the
+        values are those of `linear_weight()` (exact in the wider source dtype); a trainable
+        weight (int8-training) takes the gradient straight through.
+        """
+        w = self.linear_weight().to(self.weight_dtype)
         return w.t() if self.transposed else w
 
 
@@ -70,7 +78,7 @@ class Linear4bit(_LowBitLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: LowBitFormat,
                  compute_dtype: torch.dtype = torch.bfloat16, transposed: bool = False) -> None:
-        super().__init__(fmt, weight.shape[1], weight.shape[0], bias, transposed)
+        super().__init__(fmt, weight.shape[1], weight.shape[0], bias, transposed, weight.dtype)
         self.compute_dtype = compute_dtype
         # Lightning quantizes `weight.half()`: dequantization gives fp16 back, then compute_dtype.
         q = quantize_weight(weight.detach().half(), fmt)
@@ -109,7 +117,7 @@ class Linear8bitLt(_LowBitLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: LowBitFormat,
                  threshold: float = THRESHOLD, transposed: bool = False) -> None:
-        super().__init__(fmt, weight.shape[1], weight.shape[0], bias, transposed)
+        super().__init__(fmt, weight.shape[1], weight.shape[0], bias, transposed, weight.dtype)
         self.threshold = threshold
         self.outlier_features: tuple[int, ...] = ()  # of the latest forward
         w16 = weight.detach().half()
@@ -130,6 +138,14 @@ class Linear8bitLt(_LowBitLinear):
         """The int8 weight dequantized to fp16: what the inlier matmul computes with."""
         codes, stats = self._int8()
         return (codes.float() * stats[:, None] * INV_127).half()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        w = self.linear_weight()
+        if self.has_fp16_weights:  # int8-training: the rounded values, the gradient to weight16
+            w = self.weight16 + (w - self.weight16).detach()
+        w = w.to(self.weight_dtype)
+        return w.t() if self.transposed else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         codes, stats = self._int8()

@@ -14,7 +14,15 @@ from torch import nn
 
 from ampnb._interrupt import Guard, deferred
 from ampnb.display import Table, TableView, dtype_name, format_bytes
-from ampnb.fp8.layers import CONVERTIBLE, describe_left_out, kind_of, left_out, swap_children
+from ampnb.fp8.layers import (
+    CONVERTIBLE,
+    ParameterShare,
+    describe_left_out,
+    kind_of,
+    left_out,
+    parameter_share,
+    swap_children,
+)
 from ampnb.fp8.scaling import sqnr
 from ampnb.lowbit.formats import INV_127, LowBitFormat, get_lowbit, quantize_weight
 from ampnb.lowbit.inputs import run_inputs
@@ -46,6 +54,16 @@ class LowBitReport(TableView):
     dtype: torch.dtype = torch.bfloat16  # the compute dtype
     real: bool = False      # bitsandbytes' own layers (CUDA) rather than the emulation
     already: bool = False   # the model held low-bit layers: nothing was replaced
+    params: ParameterShare = ParameterShare()  # the quantized weights among all parameters
+
+    @property
+    def headline(self) -> str:
+        """The format; with the share of parameters quantized when a large module is left out."""
+        text = f"{self.fmt.name}: {self.fmt.description}"
+        if self.params.large_left_out and self.params.total:
+            text += (f"; {describe_left_out(self.quantized)} layers, {self.params.percent} of the "
+                     f"parameters, quantized; left out: {describe_left_out(self.left_out)}")
+        return text
 
     @property
     def quantized(self) -> tuple[tuple[str, int], ...]:
@@ -89,7 +107,7 @@ class LowBitReport(TableView):
             notes.append(f"fp16 features: inputs with |x| >= {THRESHOLD:g} in the batch (LLM.int8())")
         return Table(("layer", "type", "weight (out×in)", "bits/param", "weight SQNR dB",
                       "max |error|", "output SQNR dB", *(("fp16 features",) if self.int8 else ())), rows,
-                     caption=f"{self.fmt.name}: {self.fmt.description}", notes=tuple(notes))
+                     caption=self.headline, notes=tuple(notes))
 
 
 def _layer_outputs(model: nn.Module, inputs: Any, names: set[str] | None = None) -> dict[str, torch.Tensor]:
@@ -260,6 +278,7 @@ def quantize_model(model: nn.Module, mode: str | LowBitFormat, *, dtype: torch.d
         errors.append((name, tuple(w.shape), f.bits_per_param(w.shape), sqnr(w, q),
                        (w.float() - q).abs().max().item(), kind.name))
     rest = left_out(target, taken)
+    share = parameter_share(target, taken, [m.weight for m in taken])
     if not errors:
         why = f" (it has {describe_left_out(rest)})" if rest else ""
         skipped = f" outside ignore_modules={set(ignore)}" if ignore else ""
@@ -271,7 +290,7 @@ def quantize_model(model: nn.Module, mode: str | LowBitFormat, *, dtype: torch.d
                               None if after is None else sqnr(before[name], after[name]), kind,
                               _outliers(target.get_submodule(name)) if after is not None else None)
                    for name, shape, bits, w_db, err, kind in errors)
-    return target, LowBitReport(f, layers, rest, dtype=dtype, real=bnb is not None)
+    return target, LowBitReport(f, layers, rest, dtype=dtype, real=bnb is not None, params=share)
 
 
 def _already(model: nn.Module, f: LowBitFormat, dtype: torch.dtype, inplace: bool
@@ -286,5 +305,11 @@ def _already(model: nn.Module, f: LowBitFormat, dtype: torch.dtype, inplace: boo
                               m.fmt.bits_per_param((m.out_features, m.in_features)) if hasattr(m, "fmt")
                               else float("nan"), float("nan"), float("nan"), None, type(m).__name__)
                    for n, m in target.named_modules() if _is_lowbit(m))
-    return target, LowBitReport(f, layers, left_out(target, [m for m in target.modules() if _is_lowbit(m)]),
-                                dtype=dtype, already=True)
+    lowbit = [m for m in target.modules() if _is_lowbit(m)]
+    # Their weights are stored quantized (codes, bitsandbytes' packed Params): counted as (out, in).
+    stored = [p for m in lowbit for n, p in m.named_parameters(recurse=False) if n != "bias"]
+    share = parameter_share(target, lowbit, [], exclude=stored)
+    share = dataclasses.replace(share, converted=sum(math.prod(e.shape) for e in layers),
+                                total=share.total + sum(math.prod(e.shape) for e in layers))
+    return target, LowBitReport(f, layers, left_out(target, lowbit), dtype=dtype, already=True,
+                                params=share)
