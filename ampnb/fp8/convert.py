@@ -52,7 +52,7 @@ class Fp8Report(TableView):
     def headline(self) -> str:
         """'8 of 9 linear layers in FP8', with the share of parameters when a large module is left out."""
         text = f"{len(self.converted)} of {len(self.layers)} linear layers in FP8"
-        if self.params.large_left_out and self.params.total:
+        if self.params.worth_saying:
             text += (f", {self.params.percent} of the parameters; "
                      f"left out: {describe_left_out(self.left_out)}")
         return text

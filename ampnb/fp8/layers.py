@@ -87,6 +87,11 @@ class ParameterShare:
     large_left_out: bool = False
 
     @property
+    def worth_saying(self) -> bool:
+        """Whether a headline should state the share (a large module was left out)."""
+        return self.large_left_out and bool(self.total)
+
+    @property
     def percent(self) -> str:
         """'44 %' ('<1 %', '>99 %' rather than rounding to the ends)."""
         if not self.total:

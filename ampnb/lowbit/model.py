@@ -60,7 +60,7 @@ class LowBitReport(TableView):
     def headline(self) -> str:
         """The format; with the share of parameters quantized when a large module is left out."""
         text = f"{self.fmt.name}: {self.fmt.description}"
-        if self.params.large_left_out and self.params.total:
+        if self.params.worth_saying:
             text += (f"; {describe_left_out(self.quantized)} layers, {self.params.percent} of the "
                      f"parameters, quantized; left out: {describe_left_out(self.left_out)}")
         return text
