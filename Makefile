@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[lab,test,docs]"
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e ".[lab,test,docs]"
 	touch $(STAMP)
 
 # Options for JupyterLab go in LAB_ARGS, e.g. in a container:
