@@ -77,15 +77,31 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
-def gpt2_5m() -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.optim.Optimizer]:
-    """A ~5M-parameter transformers GPT-2 from a config (random init, offline), a batch, AdamW."""
+def _gpt2(vocab: int, seq: int, width: int, layers: int, heads: int, batch: int
+          ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.optim.Optimizer]:
+    """A transformers GPT-2 from a config (random init, offline), one batch of ids, AdamW."""
     import os
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=2048, n_positions=64, n_embd=256, n_layer=6,
-                                       n_head=4, bos_token_id=0, eos_token_id=0)).train()
-    ids = torch.randint(0, 2048, (4, 64), generator=torch.Generator().manual_seed(1))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=width,
+                                       n_layer=layers, n_head=heads, bos_token_id=0,
+                                       eos_token_id=0)).train()
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def gpt2_5m() -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.optim.Optimizer]:
+    """A ~5M-parameter GPT-2 (6 x 256, vocab 2048, seq 64, batch 4), a batch, AdamW."""
+    return _gpt2(vocab=2048, seq=64, width=256, layers=6, heads=4, batch=4)
+
+
+def gpt2_17m() -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.optim.Optimizer]:
+    """A ~17M-parameter GPT-2 (6 x 384, vocab 16000, seq 128), a batch, AdamW.
+
+    Batch 2: a plain AdamW step then takes a few tenths of a second on one thread, the size
+    issue #25 measured the doctor against.
+    """
+    return _gpt2(vocab=16000, seq=128, width=384, layers=6, heads=6, batch=2)

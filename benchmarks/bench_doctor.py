@@ -1,68 +1,71 @@
-"""The doctor's wall time on the demo GPT and on a ~5M-parameter transformers model (CPU)."""
+"""The doctor's time in plain training steps and its peak memory against a training-only process.
+
+Every figure comes from its own fresh process (benchmarks/_procs.py): one that only trains
+(plain 32-true AdamW steps, median step time, peak RSS) and one that takes one plain step and
+then runs `ampnb.doctor` with its defaults (wall time, peak RSS). Issue #25's goals: the doctor
+within 15 plain steps and 1.5x the training-only peak.
+"""
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
+from benchmarks._common import Result
+from benchmarks._procs import Measurement, measure
 
-import torch
-
-from benchmarks._common import Result, gpt2_5m
-
-GOALS = {"gpt": 15.0, "gpt2-5M": 60.0}  # seconds for the whole doctor, default modes
-
-
-def _gpt():
-    from ampnb.models import demo
-
-    d = demo("gpt", seed=0)
-    return d.model, d.batches[0], d.loss_fn, d.optimizer, "demo gpt"
+STEPS_GOAL = 15.0   # the doctor's default budget, in plain training steps
+MEMORY_GOAL = 1.5   # x the peak RSS of a process that only trains
+DEMO_GOAL = 15.0    # seconds for the demo GPT (a step there is milliseconds: steps say little)
+# (model, label, thread counts)
+CASES = (("gpt2-5M", "GPT-2 5M", (1, 2)), ("gpt2-17M", "GPT-2 17M", (1, 2)))
 
 
-def _gpt2_5m():
-    model, batch, opt = gpt2_5m()
-    return model, batch, None, opt, "GPT-2 from config"
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
 
 
-CASES = {"gpt": _gpt, "gpt2-5M": _gpt2_5m}
+def doctor_rows(label: str, train: Measurement, doc: Measurement) -> list[Result]:
+    """The time row (doctor wall / plain step) and the memory row (doctor peak / training peak)."""
+    if (train.model, train.threads) != (doc.model, doc.threads):
+        raise ValueError(f"train ({train.model}, {train.threads} threads) and doctor "
+                         f"({doc.model}, {doc.threads} threads) measured different set-ups")
+    where = f"{label} ({doc.params / 1e6:.1f}M params), {_threads(doc.threads)}"
+    steps = doc.seconds / train.seconds
+    memory = doc.peak_mib / train.peak_mib
+    said = f"; recommended {doc.headline}" + (f"; did not fit: {doc.not_fit}" if doc.not_fit else "")
+    return [
+        Result(f"doctor time on {where}",
+               f"{doc.seconds:.1f} s = {steps:.1f} plain steps (plain step {train.seconds:.3f} s); "
+               f"most time: {doc.most_time}{said}",
+               steps, f"<= {STEPS_GOAL:g} steps", steps <= STEPS_GOAL),
+        Result(f"doctor peak memory on {where}",
+               f"{doc.peak_mib:.0f} MiB vs {train.peak_mib:.0f} MiB training-only (peak RSS)",
+               memory, f"<= {MEMORY_GOAL:g}x", memory <= MEMORY_GOAL),
+    ]
 
 
-class _Phases:
-    """Progress callback that charges the time between messages to the stage that was running."""
-
-    def __init__(self) -> None:
-        self.t, self.stage = time.perf_counter(), "start"
-        self.spent: dict[str, float] = defaultdict(float)
-
-    def __call__(self, text: str) -> None:
-        now = time.perf_counter()
-        self.spent[self.stage] += now - self.t
-        self.t, self.stage = now, text.split(" (")[0].split(":")[0]
-
-    def close(self) -> None:
-        self(" end")
+def _failed(name: str, error: Exception) -> Result:
+    return Result(name, f"error: {error}", None, "-", False)
 
 
 def run() -> list[Result]:
-    import ampnb
+    from benchmarks.results import machine
 
     results = []
-    for name, build in CASES.items():
-        model, batch, loss_fn, opt, what = build()
-        n = sum(p.numel() for p in model.parameters())
-        phases = _Phases()
-        t0, c0 = time.perf_counter(), time.process_time()
-        report = ampnb.doctor(model, batch, loss_fn, optimizer=opt, repeat=3, progress=phases)
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-        phases.close()
-        top = sorted(phases.spent.items(), key=lambda kv: -kv[1])[:3]
-        dominant = ", ".join(f"{k} {v:.1f} s" for k, v in top)
-        results.append(Result(
-            f"doctor on {name} ({what}, {n / 1e6:.1f}M params, {len(report.modes)} runs)",
-            f"{seconds:.1f} s wall ({cpu:.1f} s CPU over {torch.get_num_threads()} threads; a "
-            f"loaded shared machine inflates wall time); most time: {dominant}; recommended {report.recommended.headline}",
-            seconds, f"<= {GOALS[name]:g} s", seconds <= GOALS[name]))
-    return results
+    for model, label, counts in CASES:
+        for n in counts:
+            try:
+                results += doctor_rows(label, measure("train", model, n), measure("doctor", model, n))
+            except Exception as e:  # noqa: BLE001 - one failed set-up must not hide the others
+                results.append(_failed(f"doctor on {label}, {_threads(n)}", e))
+    try:
+        demo = measure("doctor", "demo-gpt", 2)
+        results.append(Result(f"doctor on demo gpt ({demo.params / 1e6:.1f}M params), 2 threads",
+                              f"{demo.seconds:.1f} s wall; recommended {demo.headline}",
+                              demo.seconds, f"<= {DEMO_GOAL:g} s", demo.seconds <= DEMO_GOAL))
+    except Exception as e:  # noqa: BLE001
+        results.append(_failed("doctor on demo gpt", e))
+    # The CPU the ratios were measured on, in the rows themselves (results.py heads the section too).
+    return [Result(r.name, f"{r.figure} [{machine().split(',')[0]}]", r.ratio, r.goal, r.ok)
+            for r in results]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""Measurements that each run in a fresh process, so peak memory is that run's alone.
+
+`python -m benchmarks._procs train|doctor MODEL THREADS` builds MODEL, sets the torch thread
+count and prints one `RESULT {json}` line: `train` runs plain 32-true AdamW steps (median step
+time), `doctor` runs one plain step and then `ampnb.doctor` with its defaults (wall time, the
+headline, what did not fit). Both report peak RSS from `getrusage` at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+MARK = "RESULT "
+KINDS = ("train", "doctor")
+TRAIN_STEPS = 5  # timed, after one warm-up step that creates the optimizer's state
+# Where a report may say what did not fit its time budget (issue #25), read if present.
+_NOT_FIT = ("not_fitted", "did_not_fit", "over_budget", "unfinished")
+
+
+def _tiny() -> tuple:
+    # Plain torch (no transformers import): the harness's tests start it in seconds.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    batch = (torch.randn(8, 16), torch.randn(8, 4))
+    return model, batch, torch.optim.AdamW(model.parameters()), torch.nn.functional.mse_loss
+
+
+def _gpt2_5m() -> tuple:
+    from benchmarks._common import gpt2_5m
+
+    return (*gpt2_5m(), None)
+
+
+def _gpt2_17m() -> tuple:
+    from benchmarks._common import gpt2_17m
+
+    return (*gpt2_17m(), None)
+
+
+def _demo_gpt() -> tuple:
+    from ampnb.models import demo
+
+    d = demo("gpt", seed=0)
+    return d.model, d.batches[0], d.optimizer, d.loss_fn
+
+
+# name -> () -> (model, batch, optimizer, loss_fn or None: the model's own loss)
+MODELS: dict[str, Callable[[], tuple]] = {
+    "tiny": _tiny, "demo-gpt": _demo_gpt, "gpt2-5M": _gpt2_5m, "gpt2-17M": _gpt2_17m}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one process measured: seconds (train: median step; doctor: wall), peak RSS in MiB."""
+
+    kind: str
+    model: str
+    threads: int
+    params: int
+    seconds: float
+    peak_mib: float
+    headline: str = ""    # the doctor's recommendation
+    not_fit: str = ""     # what the doctor's report says did not fit its budget
+    most_time: str = ""   # the doctor's three longest stages
+
+
+def command(kind: str, model: str, threads: int) -> list[str]:
+    """The command line of one measurement."""
+    if kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    if model not in MODELS:
+        raise ValueError(f"model {model!r} is not one of {', '.join(MODELS)}")
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r}: a positive int is allowed")
+    return [sys.executable, "-m", "benchmarks._procs", kind, model, str(threads)]
+
+
+def parse(output: str) -> Measurement:
+    """The measurement in a child's stdout (its last RESULT line; other lines are ignored)."""
+    lines = [ln for ln in output.splitlines() if ln.startswith(MARK)]
+    if not lines:
+        tail = " | ".join(output.strip().splitlines()[-3:])
+        raise ValueError(f"no {MARK.strip()} line in the child's output (last lines: {tail!r})")
+    return Measurement(**json.loads(lines[-1][len(MARK):]))
+
+
+def measure(kind: str, model: str, threads: int, timeout: float = 900.0) -> Measurement:
+    """Run one measurement in a fresh process and return what it printed."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(command(kind, model, threads), capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=root)
+    if done.returncode != 0:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"{kind} on {model} with {threads} threads exited "
+                           f"{done.returncode}: {tail}")
+    return parse(done.stdout)
+
+
+# ----- in the child ----------------------------------------------------------------------------
+
+
+def _peak_mib() -> float:
+    # ru_maxrss is KiB on Linux (bytes on macOS).
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+class _Phases:
+    """Progress callback that charges the time between messages to the stage that was running."""
+
+    def __init__(self) -> None:
+        self.t, self.stage = time.perf_counter(), "start"
+        self.spent: dict[str, float] = defaultdict(float)
+
+    def __call__(self, text: str) -> None:
+        now = time.perf_counter()
+        self.spent[self.stage] += now - self.t
+        self.t, self.stage = now, text.split(" (")[0].split(":")[0]
+
+    def top(self, n: int = 3) -> str:
+        self(" end")
+        ranked = sorted(self.spent.items(), key=lambda kv: -kv[1])[:n]
+        return ", ".join(f"{k} {v:.1f} s" for k, v in ranked)
+
+
+def _not_fit(report: Any) -> str:
+    for name in _NOT_FIT:
+        found = getattr(report, name, None)
+        if found:
+            return found if isinstance(found, str) else "; ".join(map(str, found))
+    return ""
+
+
+def _plain_steps(model: Any, batch: Any, optimizer: Any, loss_fn: Any, n: int) -> list[float]:
+    from ampnb.batch import as_batch
+    from ampnb.modes import get_mode
+    from ampnb.step import train_step
+
+    mode, data, times = get_mode("32-true"), as_batch(batch, loss_fn), []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        train_step(mode, model, optimizer, data, loss_fn)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def child(kind: str, model_name: str, threads: int) -> Measurement:
+    """One measurement in this process (call it in a fresh one)."""
+    torch.set_num_threads(threads)
+    model, batch, optimizer, loss_fn = MODELS[model_name]()
+    params = sum(p.numel() for p in model.parameters())
+    base = dict(kind=kind, model=model_name, threads=torch.get_num_threads(), params=params)
+    if kind == "train":
+        times = _plain_steps(model, batch, optimizer, loss_fn, 1 + TRAIN_STEPS)[1:]
+        return Measurement(**base, seconds=statistics.median(times), peak_mib=_peak_mib())
+    import ampnb
+
+    _plain_steps(model, batch, optimizer, loss_fn, 1)  # the state training leaves
+    phases = _Phases()  # only listens: the doctor runs with its default arguments
+    t0 = time.perf_counter()
+    report = ampnb.doctor(model, batch, loss_fn, optimizer=optimizer, progress=phases)
+    seconds = time.perf_counter() - t0
+    return Measurement(**base, seconds=seconds, peak_mib=_peak_mib(),
+                       headline=report.recommended.headline, not_fit=_not_fit(report),
+                       most_time=phases.top())
+
+
+if __name__ == "__main__":
+    kind, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    command(kind, name, n)  # the same checks as the parent's
+    print(MARK + json.dumps(asdict(child(kind, name, n))), flush=True)

@@ -1,0 +1,76 @@
+"""The doctor benchmark's harness: what a child process reports and how rows are derived from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+from benchmarks._procs import MARK, Measurement, command, parse
+from benchmarks.bench_doctor import MEMORY_GOAL, STEPS_GOAL, doctor_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = Measurement("train", "gpt2-17M", 1, 16_840_704, 0.38, 780.0)
+DOCTOR = Measurement("doctor", "gpt2-17M", 1, 16_840_704, 16.0, 3060.0, headline="bf16-mixed",
+                     not_fit="bf16-true multi-step check", most_time="timing 1.0 s")
+
+
+def _run_child(kind: str, threads: int) -> tuple[Measurement, float]:
+    """A child's own report, and its peak RSS in MiB as the kernel accounted it (wait4)."""
+    proc = subprocess.Popen(command(kind, "tiny", threads), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "3"})
+    out, err = proc.stdout.read(), proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc.stdout.close()
+    proc.stderr.close()
+    assert proc.returncode == 0, err
+    return parse(out), usage.ru_maxrss / 1024
+
+
+def test_parse_takes_the_last_result_line_among_other_output():
+    stale = replace(DOCTOR, seconds=99.0)
+    text = "\n".join(["ampnb.doctor: timing", MARK + json.dumps(asdict(stale)), "noise",
+                      MARK + json.dumps(asdict(DOCTOR)), "USDT: profiler_stop"])
+    assert parse(text) == DOCTOR
+    with pytest.raises(ValueError, match="no RESULT line.*Traceback"):
+        parse("starting\nTraceback (most recent call last)")
+
+
+def test_rows_judge_the_ratios_of_the_two_processes():
+    time_row, memory_row = doctor_rows("GPT-2 17M", TRAIN, DOCTOR)
+    assert time_row.ratio == pytest.approx(DOCTOR.seconds / TRAIN.seconds)
+    assert memory_row.ratio == pytest.approx(DOCTOR.peak_mib / TRAIN.peak_mib)
+    assert time_row.ok is (DOCTOR.seconds / TRAIN.seconds <= STEPS_GOAL)
+    assert memory_row.ok is (DOCTOR.peak_mib / TRAIN.peak_mib <= MEMORY_GOAL)
+    assert "1 thread" in time_row.name and "16.8M params" in time_row.name
+    assert DOCTOR.not_fit in time_row.figure and DOCTOR.headline in time_row.figure
+    fits = doctor_rows("GPT-2 17M", TRAIN, replace(DOCTOR, seconds=TRAIN.seconds * STEPS_GOAL,
+                                                   peak_mib=TRAIN.peak_mib, not_fit=""))
+    assert [r.ok for r in fits] == [True, True] and "did not fit" not in fits[0].figure
+
+
+def test_rows_refuse_measurements_of_different_set_ups():
+    with pytest.raises(ValueError, match="different set-ups"):
+        doctor_rows("GPT-2 17M", TRAIN, replace(DOCTOR, threads=2))
+
+
+@pytest.mark.parametrize("args", [("profile", "tiny", 1), ("train", "gpt2-1B", 1),
+                                  ("train", "tiny", 0)])
+def test_command_names_what_is_allowed(args):
+    with pytest.raises(ValueError, match="allowed|is not one of"):
+        command(*args)
+
+
+@pytest.mark.parametrize("kind, threads", [("train", 2), ("doctor", 1)])
+def test_child_reports_its_threads_and_the_peak_the_kernel_saw(kind, threads):
+    got, kernel_mib = _run_child(kind, threads)
+    assert (got.kind, got.model, got.threads) == (kind, "tiny", threads)
+    # Read at the end of the run, the child's own peak is the whole process's peak.
+    assert got.peak_mib == pytest.approx(kernel_mib, rel=0.02)
+    assert got.seconds > 0 and (got.headline != "") is (kind == "doctor")
