@@ -21,7 +21,7 @@ class StepSummary:
     scale: float | None               # the lowest rank's scale (the scaler's is the same on all)
     skipped: tuple[int, ...]          # ranks whose scaler skipped optimizer.step()
     nonfinite: tuple[int, ...]        # ranks where the loss or a gradient was inf/NaN
-    first_rank: int | None            # the non-finite rank whose step ended first (earliest time)
+    first_rank: int | None            # where it first became non-finite (named module, earliest time)
     first_module: str                 # ... and the module and phase it named
     first_phase: str
     lost_updates: float | None
@@ -60,8 +60,10 @@ def summarize(records: Iterable[StepRecord]) -> list[StepSummary]:
     for step in sorted(by_step):
         rs = sorted(by_step[step], key=lambda r: r.rank)
         bad = [r for r in rs if r.nonfinite]
-        # 'first' = the step ended first there; a rank with no clock (nan) sorts last.
-        first = min(bad, key=lambda r: (math.isnan(r.time), r.time, r.rank)) if bad else None
+        # A rank that names a module saw the inf/NaN arise there; one that names none got it
+        # through the gradient all-reduce. Among those, the step that ended first (no clock last).
+        first = min(bad, key=lambda r: (not r.first_module, math.isnan(r.time), r.time, r.rank)
+                    ) if bad else None
         losses = [r.loss for r in rs]
         out.append(StepSummary(
             step=step, ranks=tuple(r.rank for r in rs), loss=math.fsum(losses) / len(losses),
@@ -169,8 +171,8 @@ class StepsTable(TableView):
             notes.append("the GradScaler's skip was the same on every rank at every step" if
                          not split else f"ranks disagree on the skip at steps {_ranks(split)}: "
                          "each rank's scaler decided alone")
-            notes.append("loss: mean of the ranks' losses; first rank: the non-finite rank "
-                         "whose step ended first")
+            notes.append("loss: mean of the ranks' losses; first rank: of the ranks that name "
+                         "the module where inf/NaN arose, the one whose step ended first")
         if any(s.nonfinite and not s.has_scaler for s in self.steps):
             notes.append("no scaler: no GradScaler was there to skip a non-finite step")
         return notes
