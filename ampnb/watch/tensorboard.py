@@ -14,7 +14,7 @@ from ampnb.watch.records import HEADROOM_FORMATS, KINDS, StepRecord, log_path
 def scalars(record: StepRecord) -> dict[str, float]:
     """The step's scalars by TensorBoard tag; what the record does not have is left out."""
     out = {"watch/skipped": float(record.skipped), "watch/nonfinite": float(record.nonfinite)}
-    if not math.isnan(record.loss):
+    if not math.isnan(record.loss) or record.nonfinite:  # nan on a bad step is its loss
         out["watch/loss"] = record.loss
     if record.scale is not None:
         out["watch/scale"] = record.scale
