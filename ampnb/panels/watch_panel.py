@@ -16,7 +16,7 @@ from ampnb.plots._axes import new_axes
 from ampnb.plots.watch import plot_headroom, plot_records
 from ampnb.scaler.records import format_scale
 from ampnb.watch.records import HEADROOM_FORMATS, KINDS, LOG_NAME, StepRecord, read_log
-from ampnb.watch.table import layers_table, records_table, summarize
+from ampnb.watch.table import layers_table, loss_text, records_table, summarize
 
 _VIEWS = ("scale and loss", "headroom")
 
@@ -202,7 +202,7 @@ class WatchPanel(Panel):
         fields = [f"{src}: {len(steps)} steps"]
         if steps:
             last = steps[-1]
-            fields.append(f"last step {last.step}: loss {last.loss:.5g}, scale "
+            fields.append(f"last step {last.step}: loss {loss_text(last)}, scale "
                           + ("-" if last.scale is None else format_scale(last.scale)))
             fields.append(f"skipped {sum(bool(s.skipped) for s in steps)}, non-finite "
                           f"{sum(bool(s.nonfinite) for s in steps)}")

@@ -94,8 +94,8 @@ def _nonfinite_cell(s: StepSummary) -> str:
     return f"{s.first_module} ({s.first_phase})" if s.first_phase else s.first_module
 
 
-def _loss_cell(s: StepSummary) -> str:
-    # nan on a finite step means the watch did not see a loss; on a bad step it is the loss.
+def loss_text(s: StepSummary) -> str:
+    """The step's loss as shown: '-' where the watch saw none (nan on a bad step is its loss)."""
     return "-" if math.isnan(s.loss) and not s.nonfinite else f"{s.loss:.5g}"
 
 
@@ -139,7 +139,7 @@ class StepsTable(TableView):
                 a, b = s
                 rows.append([f"{a}..{b}", f"... {b - a + 1} steps elided", *[""] * (len(headers) - 2)])
                 continue
-            row = [s.step, _loss_cell(s), "-" if s.scale is None else format_scale(s.scale),
+            row = [s.step, loss_text(s), "-" if s.scale is None else format_scale(s.scale),
                    _skipped_cell(s, many), _nonfinite_cell(s),
                    "-" if s.lost_updates is None else format_percent(s.lost_updates)]
             if many:
