@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from ampnb.diagnosis.evidence import ModeRow, acceptable
 from ampnb.diagnosis.layers import LayerRow
+from ampnb.diagnosis.weights import narrow
 from ampnb.display import format_bytes
+from ampnb.modes import MODES, PrecisionMode
+
+if TYPE_CHECKING:  # training.py imports Tolerance from here
+    from ampnb.diagnosis.training import TrainCheck
 
 SPEEDUP_MIN = 1.1   # a measurable speedup (spreads apart, see evidence.speed) must reach this too
 ISLAND_MODES = {"bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16", "16-true": "fp16"}
@@ -17,6 +23,11 @@ PREFERENCE = ("bf16-mixed", "16-mixed", "transformer-engine", "bf16-true", "16-t
 MAX_ISLANDS = 8
 MAX_ROUNDS = 3
 LOCAL_OUTLIER = 10.0  # a layer is sensitive when its local error is 10x the mode's median
+# Modes whose optimizer steps weights stored narrower than fp32 (no fp32 master copy, as APEX
+# O2 keeps): an update under half a unit in a weight's last place is lost, so one step cannot
+# vouch for them in training.
+TRUE_MODES = frozenset(name for name, mode in MODES.items() if narrow(mode) and
+                       type(mode).master_weights is PrecisionMode.master_weights)
 
 
 @dataclass(frozen=True)
@@ -85,23 +96,123 @@ def sites(row: ModeRow, layers: tuple[LayerRow, ...], fmt: str, grad_tol: float)
     return [r.module for r in layers if row.name in r.local and r.local[row.name].rel > limit]
 
 
+@dataclass(frozen=True)
+class IslandSearch:
+    """How the fp32 islands were found: the causal sites grown round by round until the step
+    was acceptable, then each island dropped in turn (downstream first) while it stayed so."""
+
+    sites: tuple[str, ...]     # the verified set the growth found (before dropping any)
+    tried: tuple[str, ...]     # islands whose removal was rerun, in order
+    dropped: tuple[str, ...]   # removed: the step stayed finite and within tolerance without them
+    reruns: int
+    minimal: bool              # removing any one remaining island was verified to break the step
+    stopped: str = ""          # why not verified minimal ('' when it is)
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        """The islands left after dropping."""
+        return tuple(m for m in self.sites if m not in self.dropped)
+
+    @property
+    def text(self) -> str:
+        """One line: where the search started, what it dropped, whether the rest is 1-minimal."""
+        drop = (f"dropped {', '.join(self.dropped)} (the step stays finite and within "
+                f"tolerance without {'it' if len(self.dropped) == 1 else 'them'}); "
+                if self.dropped else "")
+        last = (f"1-minimal: removing any one of {', '.join(self.kept)} breaks the step"
+                if self.minimal else f"not verified 1-minimal: {self.stopped}")
+        return (f"islands from the causal sites {', '.join(self.sites)}: {drop}{last} "
+                f"({self.reruns} reruns)")
+
+
+@dataclass(frozen=True)
+class IslandRow(ModeRow):
+    """A candidate's row with verified fp32 islands, and how they were found."""
+
+    search: IslandSearch | None = None
+
+    @classmethod
+    def of(cls, row: ModeRow, search: IslandSearch) -> IslandRow:
+        return cls(**{f.name: getattr(row, f.name) for f in fields(ModeRow)}, search=search)
+
+
+def _downstream_first(keep: tuple[str, ...], layers: tuple[LayerRow, ...]) -> list[str]:
+    """The fixed order islands are tried in: reverse of the reference's execution order (the
+    cause of an overflow is upstream of the modules its values pass through)."""
+    rank = {r.module: i for i, r in enumerate(layers)}
+    return sorted(keep, key=lambda m: -rank.get(m, -1))
+
+
 def islands(row: ModeRow, layers: tuple[LayerRow, ...], tol: Tolerance,
-            rerun: Callable[[tuple[str, ...]], ModeRow]) -> ModeRow | None:
-    """Add fp32 islands round by round and re-run until the mode is acceptable (None: no fix)."""
+            rerun: Callable[[tuple[str, ...]], ModeRow], max_reruns: int | None = None
+            ) -> ModeRow | None:
+    """The 1-minimal verified fp32 islands (None: no fix). Grow from the causal sites round by
+    round, rerunning, until the mode is acceptable; then drop each island in turn (downstream
+    first) and keep it dropped while the rerun stays acceptable, until every remaining island
+    was verified needed against the final set. At most `max_reruns` reruns (None: no bound);
+    the row's `search` says whether minimality was verified."""
     fmt = ISLAND_MODES.get(row.name)
     if fmt is None or acceptable(row, tol.loss, tol.grad):
         return None
+    if max_reruns is not None and (isinstance(max_reruns, bool) or not isinstance(max_reruns, int)
+                                   or max_reruns < 0):
+        raise ValueError(f"max_reruns={max_reruns!r} is not allowed; allowed: a non-negative "
+                         "integer, or None (no bound)")
+    budget = math.inf if max_reruns is None else max_reruns
+    runs: dict[frozenset[str], ModeRow] = {frozenset(): row}
+
+    def run(keep: tuple[str, ...]) -> ModeRow:
+        key = frozenset(keep)
+        if key not in runs:
+            runs[key] = rerun(keep)
+        return runs[key]
+
     keep: tuple[str, ...] = ()
     current = row
     for _ in range(MAX_ROUNDS):
         new = [m for m in sites(current, layers, fmt, tol.grad) if m not in keep]
-        if not new or len(keep) + len(new) > MAX_ISLANDS:
+        if not new or len(keep) + len(new) > MAX_ISLANDS or len(runs) - 1 >= budget:
             break
         keep = (*keep, *new)
-        current = rerun(keep)
+        current = run(keep)
         if acceptable(current, tol.loss, tol.grad):
-            return current
-    return current if keep else None
+            return _minimize(current, layers, tol, run, budget, runs)
+    if not keep:
+        return None
+    why = ("the rerun budget ran out" if len(runs) - 1 >= budget else
+           "no islands made the step finite and within tolerance")
+    return IslandRow.of(current, IslandSearch(keep, (), (), len(runs) - 1, False, why))
+
+
+def _minimize(found: ModeRow, layers: tuple[LayerRow, ...], tol: Tolerance,
+              run: Callable[[tuple[str, ...]], ModeRow], budget: float,
+              runs: dict[frozenset[str], ModeRow]) -> ModeRow:
+    """Drop islands from an acceptable set while the step stays acceptable (1-minimal)."""
+    keep, current = found.keep_fp32, found
+    tried: list[str] = []
+    dropped: list[str] = []
+    needed: dict[str, frozenset[str]] = {}  # island -> the set its removal was seen to break
+    minimal = False
+    while True:
+        todo = [m for m in _downstream_first(keep, layers) if needed.get(m) != frozenset(keep)]
+        if not todo:
+            minimal = True
+            break
+        m = todo[0]
+        rest = tuple(k for k in keep if k != m)
+        if frozenset(rest) not in runs:  # (without any island: the row we started from)
+            if len(runs) - 1 >= budget:
+                break
+            tried.append(m)
+        trial = run(rest)
+        if acceptable(trial, tol.loss, tol.grad):
+            keep, current = rest, trial
+            dropped.append(m)
+        else:
+            needed[m] = frozenset(keep)
+    search = IslandSearch(found.keep_fp32, tuple(tried), tuple(dropped), len(runs) - 1, minimal,
+                          "" if minimal else f"the rerun budget ({budget:g}) ran out")
+    return IslandRow.of(current, search)
 
 
 def _lost(row: ModeRow) -> str:
@@ -122,21 +233,57 @@ def _speed(row: ModeRow) -> str:
     return row.speed
 
 
+def _mixed_for(name: str) -> str:
+    """The mixed mode computing in a true mode's dtype with fp32 weights (bf16-true: bf16-mixed)."""
+    dtype = MODES[name].param_dtype
+    return next(n for n, m in MODES.items() if m.is_mixed and m.autocast_dtype == dtype)
+
+
+def _held(row: ModeRow, checks: Mapping[str, TrainCheck], train: bool) -> str | None:
+    """Why a true mode's row, acceptable on one step, is not recommended for training (None:
+    not held: inference, not a true mode, or its multi-step check passed)."""
+    if not train or row.name not in TRUE_MODES:
+        return None
+    check = checks.get(row.name)
+    instead = f"; {_mixed_for(row.name)} keeps fp32 weights, so it loses none"
+    if check is None or tuple(check.keep_fp32) != row.keep_fp32:
+        return (f"{row.label}: not recommended: its multi-step check did not run (did not fit "
+                f"the budget){instead}")
+    if not check.ok():
+        return f"{row.label}: not recommended for training: {check.summary}{instead}"
+    return None
+
+
+def needs_check(rows: list[ModeRow], tol: Tolerance) -> list[ModeRow]:
+    """True-mode rows acceptable on one step, in preference order: the multi-step checks to run
+    (`training.train_check` with the row's islands) before `choose` may recommend one."""
+    found = [r for r in rows[1:] if r.name in TRUE_MODES and acceptable(r, tol.loss, tol.grad)]
+    return sorted(found, key=lambda r: (PREFERENCE.index(r.name) if r.name in PREFERENCE else
+                                        len(PREFERENCE), len(r.keep_fp32)))
+
+
 def choose(rows: list[ModeRow], tol: Tolerance, code: Callable[[str, tuple[str, ...], bool], str],
+           checks: Mapping[str, TrainCheck] | None = None, *, train: bool = True
            ) -> tuple[Recommendation, Recommendation | None]:
-    """(recommendation for this machine, best low-precision choice elsewhere or None)."""
+    """(recommendation for this machine, best low-precision choice elsewhere or None).
+
+    For training (`train`), a true mode (TRUE_MODES) is recommended only with a passing
+    multi-step check in `checks` (mode name -> TrainCheck, run with the row's islands)."""
+    checks = checks or {}
     ref = rows[0]
-    ok = [r for r in rows[1:] if acceptable(r, tol.loss, tol.grad)]
+    fine = [r for r in rows[1:] if acceptable(r, tol.loss, tol.grad)]
+    held = {id(r): why for r in fine if (why := _held(r, checks, train)) is not None}
+    ok = [r for r in fine if id(r) not in held]
     fast = [r for r in ok if r.native and r.measurable and r.speedup is not None
             and r.speedup >= SPEEDUP_MIN]
     lowp = [r for r in ok if r.name in PREFERENCE]
     lowp.sort(key=lambda r: (PREFERENCE.index(r.name), len(r.keep_fp32)))
-    rejected = [_why_not(r, tol) for r in rows[1:] if r not in ok and not any(
-        o.name == r.name for o in ok)]
-    best_low = _make(lowp[0], ref, rows, tol, code) if lowp else None
+    rejected = [_why_not(r, tol) for r in rows[1:] if r not in fine and not any(
+        o.name == r.name for o in fine)] + list(held.values())
+    best_low = _make(lowp[0], ref, rows, tol, code, checks=checks) if lowp else None
     if fast:
         pick = max(fast, key=lambda r: (r.speedup, -len(r.keep_fp32)))
-        return _make(pick, ref, rows, tol, code, rejected), (
+        return _make(pick, ref, rows, tol, code, rejected, checks), (
             None if best_low is None or best_low.mode == pick.name else best_low)
     slow = [f"{r.label}: {_speed(r)} ({r.how})" for r in rows[1:] if r in ok]
     reasons = [f"nothing that stays within tolerance is measurably faster than 32-true on this "
@@ -147,8 +294,8 @@ def choose(rows: list[ModeRow], tol: Tolerance, code: Callable[[str, tuple[str, 
 
 
 def _make(row: ModeRow, ref: ModeRow, rows: list[ModeRow], tol: Tolerance,
-          code: Callable[[str, tuple[str, ...], bool], str], rejected: list[str] = ()
-          ) -> Recommendation:
+          code: Callable[[str, tuple[str, ...], bool], str], rejected: list[str] = (),
+          checks: Mapping[str, TrainCheck] | None = None) -> Recommendation:
     tf32 = row.name.endswith("+tf32")
     mode = "32-true" if tf32 else row.name
     reasons = [f"{row.label}: {_speed(row)} vs 32-true ({row.how}), loss error "
@@ -162,7 +309,13 @@ def _make(row: ModeRow, ref: ModeRow, rows: list[ModeRow], tol: Tolerance,
         reasons.append(f"verified: without the islands {_why_not(before, tol)}; with them "
                        f"loss error {row.loss_error:.1e}, gradient error {row.grad_error:.1e}, "
                        f"{'no inf/NaN' if row.finite else 'still inf/NaN'}")
+        search = getattr(row, "search", None)
+        if search is not None:
+            reasons.append(search.text)
     if row.vanishing_updates:
         reasons.append(_lost(row))
+    check = (checks or {}).get(row.name)
+    if check is not None and tuple(check.keep_fp32) == row.keep_fp32:
+        reasons.append(f"multi-step check {check.summary}")
     return Recommendation(mode, row.keep_fp32, (*reasons, *rejected), code(mode, row.keep_fp32, tf32),
                           before, row if row.keep_fp32 else None, tf32)
