@@ -90,12 +90,16 @@ def _autocast_off_backward(run_backward: Callable[..., Any], thread: int) -> Cal
     return run
 
 
+# (autograd's engine call, the thread whose backward calls it affects) -> the call to install
+EngineWrap = Callable[[Callable[..., Any], int], Callable[..., Any]]
+
+
 class _Engine:
     """torch < 2.4: the engine object, its run_backward wrapped (the rest as it is)."""
 
-    def __init__(self, engine: Any, thread: int) -> None:
+    def __init__(self, engine: Any, thread: int, wrap: EngineWrap) -> None:
         self._engine = engine
-        self.run_backward = _autocast_off_backward(engine.run_backward, thread)
+        self.run_backward = wrap(engine.run_backward, thread)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -108,14 +112,16 @@ class _Engine:
 _NEW_ENGINE_CALL = hasattr(torch.autograd, "_engine_run_backward")
 
 
-def _engine_in() -> Any:
+def _engine_in(wrap: EngineWrap = _autocast_off_backward) -> Any:
+    """Install wrap(autograd's engine call, this thread); returns what _engine_out puts back
+    (the autocast-off backward by default; `ampnb.watch` sees each backward's roots)."""
     thread = threading.get_ident()
     if _NEW_ENGINE_CALL:
         previous = torch.autograd._engine_run_backward
-        torch.autograd._engine_run_backward = _autocast_off_backward(previous, thread)
+        torch.autograd._engine_run_backward = wrap(previous, thread)
     else:
         previous = Variable._execution_engine
-        Variable._execution_engine = _Engine(previous, thread)
+        Variable._execution_engine = _Engine(previous, thread, wrap)
     return previous
 
 

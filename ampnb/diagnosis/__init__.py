@@ -12,10 +12,12 @@ from ampnb.diagnosis.evidence import ModeRow
 from ampnb.diagnosis.layers import LayerRow
 from ampnb.diagnosis.profile import Profile
 from ampnb.diagnosis.recommend import Recommendation, Tolerance
+from ampnb.diagnosis.replay import Replay, replay
 from ampnb.diagnosis.report import DoctorReport
 from ampnb.diagnosis.why import profile_step
 
 doctor.profile_step = profile_step
+doctor.replay = replay
 
-__all__ = ["DoctorReport", "LayerRow", "ModeRow", "Profile", "Recommendation", "Tolerance",
-           "doctor", "profile_step"]
+__all__ = ["DoctorReport", "LayerRow", "ModeRow", "Profile", "Recommendation", "Replay",
+           "Tolerance", "doctor", "profile_step", "replay"]

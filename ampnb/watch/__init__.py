@@ -1,7 +1,27 @@
-"""ampnb.watch: record a user's own training loop per optimizer step, through hooks only."""
+"""ampnb.watch: record a user's own training loop per optimizer step, through hooks only.
+
+`ampnb.watch(model, optimizer, scaler)` calls `ampnb.watch.watch`: the package is callable, so
+that `ampnb.watch` is one object however it was first reached (a lazy name, an import of a
+submodule such as `ampnb.watch.records`).
+"""
 
 from __future__ import annotations
 
+import sys
+import types
+from typing import Any
+
+from ampnb.watch.core import Watch, watch
 from ampnb.watch.records import LayerStats, StepRecord, read_log
 
-__all__ = ["LayerStats", "StepRecord", "read_log"]
+__all__ = ["LayerStats", "StepRecord", "Watch", "read_log", "watch"]
+
+
+class _CallableModule(types.ModuleType):
+    """This package, callable as `ampnb.watch(...)`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Watch:
+        return watch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

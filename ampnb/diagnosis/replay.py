@@ -1,0 +1,144 @@
+"""`ampnb.doctor.replay(path)`: rerun the step a watch kept on its first overflow, with the hunter.
+
+What it redoes: the model as it was before that step (pickled, or its state loaded into the
+`model=` given), the RNG states at the step's first forward, each micro-batch's forward under
+the autocast that was on, and a backward of the loss times the scale the step ran at. The loss
+is the model's own (`ModelOutput.loss`, a scalar output), or `loss_fn(output)`, or else the
+sum of the floating outputs: the user's loss function and targets are not saved, so an
+overflow inside the user's loss, or one the backward of a different loss would not reach, is
+not reproduced; nor is anything the loop did between micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Callable
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampnb._interrupt import Guard
+from ampnb.batch import Batch, model_loss
+from ampnb.display import Table, TableView
+
+
+def _load(path: str | os.PathLike) -> dict[str, Any]:
+    from ampnb.watch.overflow import FORMAT, target
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path={path!r} is not allowed; allowed: the file or folder that "
+                         "ampnb.watch(..., keep_overflow=...) wrote")
+    file = target(path)
+    if not file.is_file():
+        raise ValueError(f"path={str(path)!r} holds no saved step ({file} is missing); allowed: "
+                         "what ampnb.watch(..., keep_overflow=...) wrote on a skipped step")
+    data = torch.load(file, weights_only=False)  # the user's own file: it holds their model
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a step saved by this version of ampnb.watch")
+    return data
+
+
+def _model(data: dict[str, Any], model: nn.Module | None) -> nn.Module:
+    from ampnb.watch.hooks import strip_gone
+
+    if model is not None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model={type(model).__name__} is not allowed; allowed: None or a "
+                             f"fresh instance of {data['model_class']}")
+        model.load_state_dict(data["state_dict"])
+    elif data["model"] is not None:
+        model = torch.load(io.BytesIO(data["model"]), weights_only=False)
+        strip_gone(model)
+    else:
+        raise ValueError(f"the watched {data['model_class']} could not be pickled; pass "
+                         "model=, a fresh instance of it (its saved state is loaded into it)")
+    return model.train(data["training"])
+
+
+def _loss(out: Any, loss_fn: Callable[[Any], Any] | None) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(out)
+    own = model_loss(out)
+    if own is not None:
+        return own
+    from ampnb.watch.hooks import float_outputs
+
+    return sum(t.float().sum() for t in float_outputs(out))
+
+
+class Replay(TableView):
+    """The kept step rerun: `.nonfinite` (the hunter's finding), `.report` (the doctor's)."""
+
+    def __init__(self, path: str | os.PathLike, data: dict[str, Any], model: nn.Module,
+                 loss_fn: Callable[[Any], Any] | None) -> None:
+        self.path, self.step, self.model = path, data["step"], model
+        self.scale: float | None = data["scale"]
+        self.autocast = tuple((d, getattr(torch, dt)) for d, dt in data["autocast"])
+        self.batches = tuple(Batch(tuple(a), dict(k)) for a, k in data["inputs"])
+        self.loss_fn = loss_fn
+        self.micro_batch, self.nonfinite = self._hunt(data["rng"])
+
+    def _forward(self, batch: Batch) -> Any:
+        with contextlib.ExitStack() as stack:  # the autocast the step's forward ran under
+            for device, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            return _loss(batch.call(self.model), self.loss_fn)
+
+    def _step(self, batch: Batch) -> torch.Tensor:
+        loss = self._forward(batch)
+        (loss.float() * (self.scale or 1.0)).backward()  # outside autocast, as the recipe says
+        return loss
+
+    def _hunt(self, rng: dict[str, Any] | None) -> tuple[int | None, Any]:
+        from ampnb.instruments.hunt import find_nonfinite
+        from ampnb.watch.overflow import rng_states, set_rng_states
+
+        found = None
+        with Guard(rng_states, set_rng_states):  # the caller's RNG is put back afterwards
+            if rng is not None:
+                set_rng_states(rng)
+            for k, batch in enumerate(self.batches):
+                found = find_nonfinite(self._step, batch)
+                if found or found.op:
+                    self.model.zero_grad(set_to_none=True)
+                    return k, found
+        self.model.zero_grad(set_to_none=True)
+        return None, found
+
+    @cached_property
+    def report(self) -> Any:
+        """`ampnb.doctor` on the kept micro-batch (the model's own loss, or loss_fn)."""
+        from ampnb.diagnosis.core import doctor
+        from ampnb.watch.overflow import rng_states, set_rng_states
+
+        batch = self.batches[self.micro_batch or 0]
+        with Guard(rng_states, set_rng_states), torch.no_grad():  # does the model give a loss?
+            own = self.loss_fn is None and model_loss(batch.call(self.model)) is not None
+        loss_fn = None if own else (lambda out, _targets: _loss(out, self.loss_fn))
+        return doctor(self.model, batch, loss_fn)
+
+    def table(self) -> Table:
+        """What was rerun and what the hunter found."""
+        ac = ", ".join(f"{d} {str(dt).removeprefix('torch.')}" for d, dt in self.autocast)
+        where = (f"micro-batch {self.micro_batch} of {len(self.batches)}"
+                 if self.micro_batch is not None else f"none of {len(self.batches)} micro-batches")
+        rows = [("step", str(self.step)), ("autocast", ac or "off"),
+                ("loss scale", "none" if self.scale is None else f"{self.scale:g}"),
+                ("non-finite in", where),
+                ("found", self.nonfinite.message if self.nonfinite is not None else "-")]
+        return Table(("", ""), rows, caption=f"replay of {os.fspath(self.path)}")
+
+
+def replay(path: str | os.PathLike, model: nn.Module | None = None, *,
+           loss_fn: Callable[[Any], Any] | None = None) -> Replay:
+    """Rerun the step `ampnb.watch(..., keep_overflow=path)` kept, and name the non-finite op.
+
+    model: a fresh instance of the watched model's class when it could not be pickled.
+    loss_fn: loss_fn(output) -> the loss, when the model does not return its own.
+    """
+    data = _load(path)
+    return Replay(path, data, _model(data, model), loss_fn)

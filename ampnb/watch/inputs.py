@@ -1,0 +1,77 @@
+"""What `ampnb.watch` accepts: the model, optimizer and scaler behind the wrappers users have."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampnb.start import check_optimizer
+
+
+def _shown(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 40 and "\n" not in text else type(x).__name__
+
+
+def unwrap_model(model: Any) -> nn.Module:
+    """The module whose submodules run: DDP's `.module`; a torch.compile'd model is refused."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={_shown(model)} is not allowed; allowed: an nn.Module with "
+                         "parameters")
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        # hooks inside a compiled graph break it or are traced away: not supported
+        raise ValueError("model is a torch.compile'd OptimizedModule, which ampnb.watch does not "
+                         "support; allowed: the model without torch.compile")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module  # names without the 'module.' prefix
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"model {type(model).__name__} has no parameters; allowed: an nn.Module "
+                         "with parameters")
+    return model
+
+
+def unwrap_optimizer(model: nn.Module, optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Lightning's (`._optimizer`) or Accelerate's (`.optimizer`)."""
+    for _ in range(4):  # wrappers of wrappers, a few deep at most
+        if type(optimizer).__name__ == "LightningOptimizer" and hasattr(optimizer, "_optimizer"):
+            optimizer = optimizer._optimizer
+        elif type(optimizer).__name__ == "AcceleratedOptimizer" and hasattr(optimizer,
+                                                                            "optimizer"):
+            optimizer = optimizer.optimizer
+        else:
+            break
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={_shown(optimizer)} is not allowed; allowed: a "
+                         "torch.optim.Optimizer over the model's parameters (or Lightning's or "
+                         "Accelerate's wrapper of one)")
+    check_optimizer(model, optimizer)
+    return optimizer
+
+
+def check_scaler(scaler: Any) -> torch.amp.GradScaler | None:
+    """A GradScaler that is enabled, or None (a disabled one never skips nor scales)."""
+    if scaler is None:
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler):  # torch.cuda.amp.GradScaler subclasses it
+        raise ValueError(f"scaler={_shown(scaler)} is not allowed; allowed: None or a "
+                         "torch.amp.GradScaler")
+    return scaler if scaler.is_enabled() else None
+
+
+def check_every(every: Any) -> int:
+    """A positive int (bool and float refused)."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every={every!r} is not allowed; allowed: a positive int (statistics "
+                         "every that many optimizer steps)")
+    return every
+
+
+def check_path(name: str, path: Any) -> str | os.PathLike | None:
+    """None, a str or an os.PathLike."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{name}={_shown(path)} is not allowed; allowed: None, a str or a "
+                         "path")
+    return path

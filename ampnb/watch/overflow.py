@@ -1,0 +1,89 @@
+"""keep_overflow: what the watch saves of the first overflowing step, so replay can rerun it.
+
+One file written with torch.save: the step's micro-batches (the model's forward inputs), the
+RNG states at its first forward, the autocast that was on, the model (pickled when it can be)
+and its state_dict, the optimizer's state_dict and the scaler's state, all as they were
+before the step's update.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+FILE_NAME = "overflow.pt"
+FORMAT = 1
+
+
+def target(path: str | os.PathLike) -> Path:
+    """The file: `path` itself when it names a file (a suffix), else path/overflow.pt."""
+    p = Path(path)
+    return p / FILE_NAME if p.is_dir() or not p.suffix else p
+
+
+def rng_states() -> dict[str, Any]:
+    """torch's CPU and (once up) CUDA generators, Python's random and numpy's, as they are."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        states["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is optional
+        pass
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Put back what rng_states() took (the generators that exist here)."""
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        import numpy as np
+
+        np.random.set_state(states["numpy"])
+
+
+def _pickled(model: nn.Module) -> bytes | None:
+    """The module as torch.save writes it, or None when it cannot be pickled (a local class)."""
+    buf = io.BytesIO()
+    try:
+        torch.save(model, buf)
+    except Exception:  # noqa: BLE001 - any pickling failure: replay then needs model=
+        return None
+    return buf.getvalue()
+
+
+def save(path: str | os.PathLike, *, step: int, inputs: list, rng: dict[str, Any] | None,
+         autocast: list[tuple[str, torch.dtype]], model: nn.Module,
+         optimizer: torch.optim.Optimizer, scaler: dict[str, Any] | None,
+         scale: float | None, loss: float) -> Path:
+    """Write the step to `path` (see the module docstring); returns the file written."""
+    file = target(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({
+        "format": FORMAT,
+        "step": step,
+        "inputs": inputs,
+        "rng": rng,
+        "autocast": [(d, str(dt).removeprefix("torch.")) for d, dt in autocast],
+        "model": _pickled(model),
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "training": model.training,
+        "state_dict": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "optimizer_class": type(optimizer).__name__,
+        "scaler": scaler,
+        "scale": scale,
+        "loss": loss,
+    }, file)
+    return file
