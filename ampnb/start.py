@@ -9,6 +9,7 @@ fresh model in its mode and the user's own optimizer (class, hyper-parameters, s
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,18 @@ class Master:
     source_dtype: torch.dtype  # parameter dtype of the live model it was taken from
     wide: bool = field(default=False)  # some floating tensor is fp64
     params: frozenset[str] = frozenset()  # which tensors are parameters (the rest: buffers)
+    path: str | None = None  # where the values are, when they were put aside on disk
+
+    def to_disk(self, path: str) -> Master:
+        """The same master with its values in a file (read back for each copy), not in memory."""
+        torch.save({"tensors": self.tensors, "optimizer": self.optimizer}, path)
+        return dataclasses.replace(self, tensors={}, optimizer={}, path=path)
+
+    def _values(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        if self.path is None:
+            return self.tensors, self.optimizer
+        found = torch.load(self.path, mmap=True, weights_only=False)  # our own file
+        return found["tensors"], found["optimizer"]
 
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> Master:
@@ -76,14 +89,15 @@ class Master:
         if missing:
             raise ValueError(f"the model lost parameters {missing[:3]} while switching; allowed: "
                              f"a mode whose convert_module keeps parameter names.")
+        tensors, _ = self._values()
         with torch.no_grad():
-            for name, value in self.tensors.items():
+            for name, value in tensors.items():
                 if name in live:
                     live[name].copy_(value)
 
     def optimizer_state(self) -> dict[str, Any]:
         """A fresh copy for `optimizer.load_state_dict` (which casts it to each param's dtype)."""
-        return copy.deepcopy(self.optimizer)
+        return copy.deepcopy(self._values()[1])
 
 
 def param_dtype(model: nn.Module, mostly: bool = False) -> torch.dtype:
@@ -157,8 +171,10 @@ class Start:
     rng: Rng
 
     @classmethod
-    def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Start:
-        """Snapshot now; without an optimizer, AdamW(lr=1e-3) over the trainable parameters.
+    def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             disk: str | None = None) -> Start:
+        """Snapshot now; without an optimizer, AdamW(lr=1e-3) over the trainable parameters;
+        with `disk` (a file path) the values wait there, not in memory.
 
         ValueError when the optimizer is not an Optimizer over the model's parameters."""
         if optimizer is not None:
@@ -166,7 +182,8 @@ class Start:
         if optimizer is None:
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                           lr=1e-3)
-        return cls(model, optimizer, Master.take(model, optimizer), Rng.take())
+        master = Master.take(model, optimizer)
+        return cls(model, optimizer, master if disk is None else master.to_disk(disk), Rng.take())
 
     def _fresh(self, device: str) -> tuple[nn.Module, dict[int, Any]]:
         """A copy of the model's structure on device holding the snapshot's values, and the
@@ -195,6 +212,8 @@ class Start:
         return net, opt
 
 
-def started(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Guard:
-    """`with started(model, opt) as start:` the snapshot; the RNG is put back on the way out."""
-    return Guard(lambda: Start.take(model, optimizer), lambda start: start.rng.restore())
+def started(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+            disk: str | None = None) -> Guard:
+    """`with started(model, opt) as start:` the snapshot (its values in the file `disk` when
+    given); the RNG is put back on the way out."""
+    return Guard(lambda: Start.take(model, optimizer, disk), lambda start: start.rng.restore())

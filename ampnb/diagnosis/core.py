@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numbers
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -16,16 +18,17 @@ from ampnb._interrupt import Guard
 from ampnb._kernels import drop_overrides, live_overrides
 from ampnb.batch import as_batch
 from ampnb.device import get_device, restore_tf32, tf32_state
+from ampnb.diagnosis.budget import Budget, Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidates
 from ampnb.diagnosis.code import code
-from ampnb.diagnosis.errors import compare, flat, rel
-from ampnb.diagnosis.evidence import MIN_TIMED, ModeRow, mode_row, per_param, underflow
+from ampnb.diagnosis.errors import rel
+from ampnb.diagnosis.evidence import MIN_TIMED, ModeRow, mode_row, underflow
 from ampnb.diagnosis.failures import expected
-from ampnb.diagnosis.layers import layer_rows, local_errors
+from ampnb.diagnosis.layers import layer_rows
 from ampnb.diagnosis.profile import Profile, profile_run
 from ampnb.diagnosis.recommend import ISLAND_MODES, Tolerance, choose, islands
 from ampnb.diagnosis.report import DoctorReport
-from ampnb.diagnosis.run import Setup, StepResult, measure, time_steps
+from ampnb.diagnosis.run import Setup, StepResult, keeps_model, measure, time_steps
 from ampnb.formats import get_format
 from ampnb.modes import get_mode
 from ampnb.start import started
@@ -118,15 +121,13 @@ def _fp64_check(setup: Setup, ref: StepResult) -> str:
     """32-true's own error, against the same step in float64 (where the model allows)."""
     mode = get_mode("64-true")
     try:
-        exact = measure(setup, Candidate(mode.name, mode, None, True, "reference check"))
+        exact = measure(setup, Candidate(mode.name, mode, None, True, "reference check"), ref=ref)
     except (RuntimeError, TypeError, ValueError) as e:
         return f"64-true could not run this model ({str(e).splitlines()[0][:80]})"
     if not exact.finite:
         return "64-true produced inf/NaN: no fp64 check"
-    g = compare(flat([ref.grads[n] for n in exact.grads if n in ref.grads]),
-                flat([exact.grads[n] for n in exact.grads if n in ref.grads])).rel
     return (f"32-true's own error against 64-true: loss {rel(ref.loss, exact.loss):.1e}, "
-            f"gradients {g:.1e}")
+            f"gradients {exact.grad_error:.1e}")
 
 
 def _range_notes(ref: StepResult, cands: list[Candidate]) -> list[str]:
@@ -152,19 +153,25 @@ class DoctorOptions:
     profile: bool = True
     seed: int = 0
     progress: Callable[[str], None] | None = None
+    budget: Any = None   # None: 15 plain training steps; seconds; 'N steps'; math.inf
+    train: bool = True   # False: the model is for inference (one forward decides)
 
 
 def doctor(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = None, *,
            optimizer: torch.optim.Optimizer | None = None, device: str | None = None,
            modes: Iterable[str] | str | None = None, tolerance: Any = None, repeat: int = 3,
            profile: bool = True, seed: int = 0,
-           progress: Callable[[str], None] | None = None) -> DoctorReport:
+           progress: Callable[[str], None] | None = None, budget: Any = None,
+           train: bool = True) -> DoctorReport:
     """Run one step of the model in every candidate mode and recommend one, with evidence and code.
 
     The user's model, optimizer and torch's global state are left as they were: every run
-    starts from one snapshot of them (and of the RNG), with the same batch and seed.
+    starts from one snapshot of them (and of the RNG), kept on disk, with the same batch and
+    seed. The work runs in a stated order within `budget` (default 15 plain training steps of
+    time); the report lists what did not fit.
     """
-    options = DoctorOptions(optimizer, device, modes, tolerance, repeat, profile, seed, progress)
+    options = DoctorOptions(optimizer, device, modes, tolerance, repeat, profile, seed, progress,
+                            budget, train)
     return doctor_setup(model, options, batch=batch, loss_fn=loss_fn)
 
 
@@ -176,80 +183,140 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     _check(model, o.optimizer, o.repeat)
     _check_options(loss_fn, o.device, o.modes, o.seed, o.progress)
     tol = Tolerance.of(o.tolerance)
+    budget = Budget.of(o.budget)
+    if not isinstance(o.train, bool):
+        raise ValueError(f"train={o.train!r} is not allowed; allowed: True (a training step) or "
+                         "False (inference: one forward)")
     dev = get_device(next(model.parameters()).device if o.device is None else o.device).name
     cands, skipped = candidates(o.modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     say = o.progress or Progress()
-    with Guard(_save, _restore), started(model, o.optimizer) as start:
-        setup = Setup(start, data, loss_fn, dev, o.seed, step)
-        return _diagnose(setup, cands, skipped, tol, o.repeat, o.profile, say)
+    with Guard(_save, _restore), tempfile.TemporaryDirectory(prefix="ampnb-doctor-") as scratch, \
+            started(model, o.optimizer, os.path.join(scratch, "start.pt")) as start:
+        setup = Setup(start, data, loss_fn, dev, o.seed, step, scratch)
+        return _diagnose(setup, cands, skipped, tol, o.repeat, o.profile, say, Clock(budget),
+                         o.train)
+
+
+def _plain_step(setup: Setup, ref: Candidate, say: Callable[[str], None]) -> float:
+    """Seconds of one plain 32-true step (after a warm-up step): the budget's unit."""
+    say(f"{REFERENCE}: a plain step (the budget's unit)")
+    with expected(setup.batch, type(setup.model).__name__, setup.step is not None):
+        return time_steps(setup, [(ref, None, (), 1)])[0][0]
+
+
+def _cost(run: StepResult, ref: StepResult, plain: float) -> float:
+    """A mode's plain step, estimated from its instrumented step against the reference's."""
+    return plain * run.seconds / ref.seconds if ref.seconds > 0 else plain
 
 
 def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tolerance,
-              repeat: int, profile: bool, say: Callable[[str], None]) -> DoctorReport:
+              repeat: int, profile: bool, say: Callable[[str], None], clock: Clock,
+              train: bool = True) -> DoctorReport:
+    clock.plain = _plain_step(setup, cands[0], say)
     n = len(cands)
+    mixed = [c for c in cands[1:] if keeps_model(c) or c.mode.is_mixed]
+    true = [c for c in cands[1:] if c not in mixed]
+    islanded = [c for c in cands[1:] if c.name in ISLAND_MODES]
     say(f"{REFERENCE} (1/{n}): reference step")
-    with expected(setup.batch, type(setup.model).__name__, setup.step is not None):
-        ref = measure(setup, cands[0], reference=True)
+    ref = measure(setup, cands[0], reference=True, local=islanded)
     if not ref.finite:
         where = f" ({ref.nonfinite.message})" if ref.nonfinite else ""
         raise ValueError(f"the {REFERENCE} step itself produced inf/NaN{where}; the doctor "
                          "compares modes against a finite fp32 step")
     runs: dict[str, StepResult] = {REFERENCE: ref}
-    times: dict[str, list[float]] = {}
-    profiles: dict[str, Profile] = {}
     ran = [cands[0]]
-    for i, cand in enumerate(cands):
-        if i:
-            say(f"{cand.name} ({i + 1}/{n}): {cand.how}")
-            try:
-                runs[cand.name] = measure(setup, cand, ref=ref)
-            except RuntimeError as e:  # e.g. a kernel this CPU lacks for the dtype
-                skipped.append(f"{cand.name}: could not run this model here "
-                               f"({str(e).splitlines()[0][:100]})")
-                continue
-            ran.append(cand)
-    # emulated: its speed here says nothing about hardware that runs it natively
-    timed = [c for c in ran if c.label != "emulated"]
-    say(f"timing {len(timed)} modes round-robin ({repeat} steps each, "
-        f"{torch.get_num_threads()} threads)")
-    # plainly slower (its instrumented step took SLOW x the reference's): the fewest steps that
-    # still give a spread tell enough
-    steps = [min(repeat, MIN_TIMED) if runs[c.name].seconds > SLOW * ref.seconds else repeat
-             for c in timed]
-    found = time_steps(setup, [(c, runs[c.name].scale, (), k) for c, k in zip(timed, steps)])
-    times = {c.name: t for c, t in zip(timed, found)}
-    if profile:
-        for cand in timed:
-            profiles[cand.name] = profile_run(setup, cand, runs[cand.name].scale, warmup=False)
-    say("fp64 check and per-layer local errors")
-    cands = ran
-    fp64 = _fp64_check(setup, ref)
-    # Local errors choose fp32 islands, which only the 16-bit modes get (TF32 and FP8 have none).
-    local = local_errors(setup, ref, [cands[0], *(c for c in cands[1:] if c.name in ISLAND_MODES)])
-    # Headroom where the risk is: fp16's always (layers differ there), plus each narrow format a
-    # candidate computes in; fp32/fp64 (about 125+ binades everywhere) would show nothing.
-    narrow = (get_format(c.mode.compute_dtype).name for c in cands)
+
+    def run(cand: Candidate) -> None:
+        i = cands.index(cand)
+        if not clock.fits(ref.seconds, f"{cand.name}: its step"):
+            return
+        say(f"{cand.name} ({i + 1}/{n}): {cand.how}")
+        try:
+            runs[cand.name] = measure(setup, cand, ref=ref)
+        except RuntimeError as e:  # e.g. a kernel this CPU lacks for the dtype
+            skipped.append(f"{cand.name}: could not run this model here "
+                           f"({str(e).splitlines()[0][:100]})")
+            return
+        ran.append(cand)
+
+    # native mixed modes first: the likely answers; emulated ones (a speed that says nothing
+    # about this machine) after them
+    for cand in sorted(mixed, key=lambda c: c.label == "emulated"):
+        run(cand)
+    times = _time(setup, [c for c in ran if c.label != "emulated"], runs, ref, repeat, clock, say)
+    narrow = (get_format(c.mode.compute_dtype).name for c in ran)
     formats = tuple(dict.fromkeys(("fp16", *(f for f in narrow if f not in ("fp32", "fp64")))))
-    layers = layer_rows(setup.model, ref, runs, local, formats)
     rows: list[ModeRow] = [mode_row(c, runs[c.name], ref, times.get(c.name),
-                                    times.get(REFERENCE)) for c in cands]
+                                    times.get(REFERENCE)) for c in ran]
     by_name = {c.name: c for c in cands}
-    for row in list(rows[1:]):
+
+    def islands_for(row: ModeRow) -> None:
         cand = by_name[row.name]
+        layers = layer_rows(setup.model, ref, runs, formats)
 
         def rerun(keep: tuple[str, ...], cand: Candidate = cand) -> ModeRow:
+            if not clock.fits(runs[cand.name].seconds, f"{cand.name} islands {', '.join(keep)}"):
+                raise _OutOfBudget
             say(f"{cand.name} with {', '.join(keep)} kept in fp32: verifying")
-            run = measure(setup, cand, keep, ref=ref)
-            pair = [None, None] if cand.label == "emulated" else time_steps(  # against a fresh
-                setup, [(cands[0], None, (), repeat), (cand, run.scale, keep, repeat)])  # 32-true
-            return mode_row(cand, run, ref, pair[1], pair[0], keep)
+            found = measure(setup, cand, keep, ref=ref)
+            pair = [None, None]
+            if cand.label != "emulated" and clock.fits(
+                    repeat * (clock.plain + _cost(found, ref, clock.plain)),
+                    f"timing {cand.name} with islands"):
+                pair = time_steps(setup, [(cands[0], None, (), repeat),
+                                          (cand, found.scale, keep, repeat)])
+            return mode_row(cand, found, ref, pair[1], pair[0], keep)
 
-        fixed = islands(row, layers, tol, rerun)
+        try:
+            fixed = islands(row, layers, tol, rerun)
+        except _OutOfBudget:
+            fixed = None
         if fixed is not None:
             rows.append(fixed)
+
+    for row in list(rows[1:]):
+        islands_for(row)
+    for cand in true:
+        run(cand)
+        if cand.name in runs:
+            rows.append(mode_row(cand, runs[cand.name], ref, None, None))
+            islands_for(rows[-1])
+    fp64 = _fp64_check(setup, ref) if clock.fits(3 * ref.seconds, "the fp64 check") else \
+        "64-true check: did not fit the budget"
+    profiles: dict[str, Profile] = {}
+    if profile:
+        for cand in [c for c in ran if c.label != "emulated"]:
+            if clock.fits(_cost(runs[cand.name], ref, clock.plain) * 2, f"profile of {cand.name}"):
+                profiles[cand.name] = profile_run(setup, cand, runs[cand.name].scale, warmup=False)
+    layers = layer_rows(setup.model, ref, runs, formats)
     rec, elsewhere = choose(rows, tol, lambda m, k, t: code(m, k, setup.device, t))
-    grads = {c: per_param(r.grads, ref.grads) for c, r in runs.items() if c != REFERENCE}
+    grads = {c: r.param_errors for c, r in runs.items() if c != REFERENCE}
     return DoctorReport(setup.device, rec, elsewhere, tuple(rows), layers, grads, profiles,
-                        tuple(skipped), fp64, tuple(_range_notes(ref, cands)), tol,
-                        torch.get_num_threads(), repeat)
+                        tuple(skipped), fp64, tuple(_range_notes(ref, ran)), tol,
+                        torch.get_num_threads(), repeat, tuple(clock.left_out), clock.summary())
+
+
+class _OutOfBudget(Exception):
+    """An island rerun that would not fit the budget."""
+
+
+def _time(setup: Setup, timed: list[Candidate], runs: dict[str, StepResult], ref: StepResult,
+          repeat: int, clock: Clock, say: Callable[[str], None]) -> dict[str, list[float]]:
+    """Round-robin step times of 32-true and the modes that fit: `repeat` steps each (fewer for
+    a plainly slower mode), dropping the costliest modes until the rounds fit the budget."""
+    steps = {c.name: min(repeat, MIN_TIMED) if runs[c.name].seconds > SLOW * ref.seconds
+             else repeat for c in timed}
+    while len(timed) > 1:
+        cost = sum((steps[c.name] + 1) * _cost(runs[c.name], ref, clock.plain) for c in timed)
+        if cost <= clock.left:
+            break
+        drop = max(timed[1:], key=lambda c: runs[c.name].seconds)
+        clock.skip(f"timing {drop.name}")
+        timed = [c for c in timed if c is not drop]
+    if len(timed) < 2:
+        return {}
+    say(f"timing {len(timed)} modes round-robin ({repeat} steps each, "
+        f"{torch.get_num_threads()} threads)")
+    found = time_steps(setup, [(c, runs[c.name].scale, (), steps[c.name]) for c in timed])
+    return {c.name: t for c, t in zip(timed, found)}

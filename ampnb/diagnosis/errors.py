@@ -68,12 +68,61 @@ def headroom(amax: float, fmt_max: float) -> float:
 def lost_updates(ref_before: dict[str, torch.Tensor], ref_after: dict[str, torch.Tensor],
                  before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
     """Share of the reference's nonzero weight updates whose weight this run left unchanged."""
-    lost = moved_total = 0
-    for n, w in ref_before.items():
-        if n not in before or n not in after or before[n].shape != w.shape or \
-                not w.is_floating_point():
-            continue
-        moved = ref_after[n] != w
-        lost += int((moved & (after[n] == before[n])).sum())
-        moved_total += int(moved.sum())
-    return lost / moved_total if moved_total else 0.0
+    return lost_share(moved(ref_before, ref_after), before, after)
+
+
+class Total:
+    """The relative L2 error of many tensors together, accumulated one pair at a time (what
+    `compare` of their concatenation gives, without holding the concatenation)."""
+
+    def __init__(self) -> None:
+        self.signal = self.noise = 0.0
+        self.finite = True
+        self.count = 0
+
+    def add(self, got: torch.Tensor, ref: torch.Tensor) -> Err:
+        """Add one pair; returns its own error."""
+        err = compare(got.reshape(-1), ref.reshape(-1))
+        if got.shape != ref.shape or ref.numel() == 0:
+            return err
+        self.count += 1
+        if math.isinf(err.rel):
+            self.finite = False
+            return err
+        g, r = got.double(), ref.double()
+        r = torch.where(torch.isfinite(r), r, g)
+        self.signal += float(torch.linalg.vector_norm(r)) ** 2
+        self.noise += float(torch.linalg.vector_norm(g - r)) ** 2
+        return err
+
+    @property
+    def err(self) -> Err:
+        """The error of everything added (inf when any tensor was not finite)."""
+        if not self.finite:
+            return Err(math.inf, -math.inf)
+        if not self.count:
+            return NOT_COMPARED
+        if self.noise == 0:
+            return Err(0.0, math.inf)
+        if self.signal == 0:
+            return Err(math.inf, -math.inf)
+        return Err(math.sqrt(self.noise / self.signal),
+                   10 * math.log10(self.signal / self.noise))
+
+
+def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+          ) -> dict[str, torch.Tensor]:
+    """Which entries of each floating weight a step changed (one byte per entry)."""
+    return {n: after[n] != w for n, w in before.items()
+            if n in after and w.is_floating_point() and after[n].shape == w.shape}
+
+
+def lost_share(moved_by_ref: dict[str, torch.Tensor], before: dict[str, torch.Tensor],
+               after: dict[str, torch.Tensor]) -> float:
+    """Share of the entries the reference's step moved that this run's step left unchanged."""
+    lost = total = 0
+    for n, m in moved_by_ref.items():
+        if n in before and n in after and before[n].shape == m.shape:
+            lost += int((m & (after[n] == before[n])).sum())
+            total += int(m.sum())
+    return lost / total if total else 0.0

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ampnb.diagnosis.candidates import Candidate
-from ampnb.diagnosis.errors import compare, flat, rel
+from ampnb.diagnosis.errors import rel
 from ampnb.diagnosis.run import StepResult
 from ampnb.instruments.coverage_stats import coverage
 
@@ -65,23 +65,18 @@ class ModeRow:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.saved_bytes
 
 
-def grad_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    """Relative L2 error of all gradients together (inf when any is not finite)."""
-    names = [n for n in ref if n in got and got[n].shape == ref[n].shape]
-    return compare(flat([got[n] for n in names]), flat([ref[n] for n in names])).rel
-
-
-def per_param(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Relative gradient error per parameter."""
-    return {n: compare(got[n].reshape(-1), ref[n].reshape(-1)).rel
-            for n in ref if n in got and got[n].shape == ref[n].shape}
-
-
 def underflow(grads: dict[str, torch.Tensor], scale: float) -> float:
-    """Fraction of nonzero gradient values that round to zero in fp16 at a loss scale."""
-    vals = flat(list(grads.values())).float() * scale
-    vals = vals[vals != 0]
-    return coverage(vals, "fp16").underflow if vals.numel() else 0.0
+    """Fraction of nonzero gradient values that round to zero in fp16 at a loss scale (counted
+    one tensor at a time)."""
+    flushed = nonzero = 0
+    for g in grads.values():
+        vals = g.detach().reshape(-1).float() * scale
+        vals = vals[vals != 0]
+        if vals.numel():
+            found = coverage(vals, "fp16")
+            flushed += found.n_underflow
+            nonzero += found.count
+    return flushed / nonzero if nonzero else 0.0
 
 
 def spread(times: list[float] | None) -> tuple[float, float] | None:
@@ -127,7 +122,7 @@ def mode_row(cand: Candidate, run: StepResult, ref: StepResult, times: list[floa
     return ModeRow(
         cand.name, cand.how, cand.native, keep, seconds, speedup, run.param_bytes, run.grad_bytes,
         run.optimizer_bytes, run.saved_bytes, run.loss, rel(run.loss, ref.loss),
-        grad_error(run.grads, ref.grads), run.finite, message, module, phase, run.scale,
+        run.grad_error, run.finite, message, module, phase, run.scale,
         run.skipped, first.message if first else "", run.lost_updates, ratio, ratio_spread,
         spread(times), measurable)
 

@@ -48,6 +48,8 @@ class DoctorReport:
     tolerance: Tolerance
     threads: int | None = None   # torch.get_num_threads() while timing (left as the user set it)
     repeat: int = 0              # timed steps per mode, round-robin across modes
+    left_out: tuple[str, ...] = ()   # work that did not fit the time budget
+    budget: str = ""                 # the budget, what was spent, and the order of the work
 
     def mode(self, name: str, keep: tuple[str, ...] = ()) -> ModeRow:
         """The row of a candidate (with given islands)."""
@@ -71,6 +73,8 @@ class DoctorReport:
         lines += [f"- {r}" for r in self.recommended.reasons]
         if self.threads is not None:
             lines.append(f"- {self.timing}")
+        if self.left_out:
+            lines.append(f"- not examined within the budget: {'; '.join(self.left_out)}")
         if self.elsewhere is not None:
             lines.append(f"Where {self.elsewhere.mode} has native units (e.g. a recent GPU): "
                          f"{self.elsewhere.headline}")
@@ -88,6 +92,9 @@ class DoctorReport:
                  "-" if r.vanishing_updates is None else format_percent(r.vanishing_updates))
                 for r in self.modes]
         notes = [self.fp64, *self.range_notes, *(f"not run: {s}" for s in self.skipped)]
+        if self.budget:
+            notes.append(self.budget)
+        notes += [f"did not fit: {s}" for s in self.left_out]
         if self.threads is not None:
             notes.append(self.timing)
         if any(r.seconds is None for r in self.modes):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
+import os
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,19 +21,40 @@ from ampnb.apex import master_of
 from ampnb.batch import Batch
 from ampnb.device import sync
 from ampnb.diagnosis.candidates import Candidate
+from ampnb.diagnosis.errors import NOT_COMPARED, Err, Total, compare, moved
 from ampnb.diagnosis.weights import eps_causes, narrow, weights, weights_left
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
-from ampnb.start import Start, seed
+from ampnb.modes import PrecisionMode
+from ampnb.start import Rng, Start, seed
 from ampnb.step import StepOutcome, train_step
 
 MIN_SCALE = 2.0**-8  # a loss scale below this means the gradients overflow whatever the scale
 
 
+class Spill:
+    """Tensors kept on disk by name, read back one at a time (the reference's module outputs):
+    the candidates compare against them as they stream, so no run holds another's activations."""
+
+    def __init__(self, root: str) -> None:
+        self.root, self.paths = root, {}
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        path = os.path.join(self.root, f"out{len(self.paths)}.pt")
+        torch.save(t, path)
+        self.paths[name] = path
+
+    def get(self, name: str) -> torch.Tensor:
+        return torch.load(self.paths[name], weights_only=True)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.paths
+
+
 @dataclass(frozen=True, eq=False)
 class Setup:
     """What every run starts from: the snapshot (the user's objects never touched), the batch,
-    the seed."""
+    the seed, and a folder for what is kept aside on disk."""
 
     start: Start
     batch: Batch
@@ -38,21 +62,30 @@ class Setup:
     device: str
     seed: int = 0
     step: Callable[[nn.Module], Any] | None = None  # a cell's code: net -> loss (batch unused)
+    scratch: str | None = None                     # a temporary folder (None: one is made)
 
     @property
     def model(self) -> nn.Module:
         """The user's model (its structure and module names)."""
         return self.start.model
 
+    def spill(self) -> Spill:
+        """A new on-disk store under the scratch folder."""
+        root = self.scratch or tempfile.mkdtemp(prefix="ampnb-doctor-")
+        return Spill(tempfile.mkdtemp(dir=root))
+
 
 @dataclass(frozen=True, eq=False)
 class StepResult:
-    """What one instrumented step of a candidate measured."""
+    """What one instrumented step of a candidate measured: figures, not tensors (the reference
+    alone keeps its gradients, which moved, and its module outputs on disk)."""
 
     name: str
     loss: float
-    grads: dict[str, torch.Tensor]             # unscaled, as the optimizer got them
-    outputs: dict[str, torch.Tensor]           # module path -> its outputs, flattened (fp32)
+    grads_finite: bool
+    grad_error: float                          # relative L2 error of all gradients vs the reference
+    param_errors: dict[str, float]             # parameter -> relative gradient error
+    end_to_end: dict[str, Err]                 # module path -> output error vs the reference
     amax: dict[str, float]                     # module path -> largest finite output magnitude
     nonfinite: NonFinite
     saved_bytes: int
@@ -62,13 +95,15 @@ class StepResult:
     scale: float | None = None                 # the loss scale the gradients were taken at
     skipped: int = 0                           # steps a GradScaler would skip to get there
     first_overflow: NonFinite | None = None    # what overflowed at the scaler's initial scale
-    inputs: dict[str, Any] = field(default_factory=dict)  # leaf module -> (args, kwargs), ref only
-    before: dict[str, torch.Tensor] = field(default_factory=dict)  # weights before the step
-    after: dict[str, torch.Tensor] = field(default_factory=dict)   # and after (reference only)
     seconds: float = math.nan                  # the instrumented step's wall time (rough)
     bad_weights: tuple[str, ...] = ()          # parameters the optimizer step left inf/NaN
     weights_cause: str = ""                    # why, when it is known
     lost_updates: float | None = None          # share of 32-true's updates this step lost
+    # the reference's own (empty in a candidate's result):
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)   # unscaled, as stepped with
+    moved: dict[str, torch.Tensor] = field(default_factory=dict)   # entries its step changed
+    outputs: Spill | None = None                                   # module outputs, on disk
+    local: dict[str, dict[str, Err]] = field(default_factory=dict)  # leaf -> candidate -> error
 
     @property
     def finite(self) -> bool:
@@ -78,15 +113,14 @@ class StepResult:
     @property
     def step_finite(self) -> bool:
         """No inf/NaN in the loss, the forward, or the gradients the optimizer got."""
-        return math.isfinite(self.loss) and _all_finite(self.grads)
+        return math.isfinite(self.loss) and self.grads_finite
 
 
 # Ops that allocate without computing: their uninitialised memory may hold inf (FACTS.md).
 ALLOCATING = frozenset({"empty_like", "empty", "empty_strided", "new_empty", "new_empty_strided"})
 
-
-def _all_finite(grads: dict[str, torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(g).all()) for g in grads.values())
+# Modules whose output depends on the random state: re-running one alone draws other numbers.
+RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
 
 def _nbytes(ts: Iterable[Any]) -> int:
@@ -110,25 +144,50 @@ def _scaler(cand: Candidate, device: str, scale: float | None) -> torch.amp.Grad
     return torch.amp.GradScaler(torch.device(device).type, init_scale=scale)
 
 
-def _grads(net: nn.Module) -> dict[str, torch.Tensor]:
+def _grads(net: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The gradients the optimizer sees (an APEX master's, where there is one)."""
-    found = {}
     for name, p in net.named_parameters():
         g = master_of(p).grad
         if g is None:
             g = p.grad
         if g is not None:
-            found[name] = g.detach().clone()
-    return found
+            yield name, g.detach()
+
+
+class _Grads:
+    """The unscaled gradients of one step, read just before the update: compared with the
+    reference's as they are read (a candidate), or kept (the reference itself)."""
+
+    def __init__(self, net: nn.Module, ref: dict[str, torch.Tensor] | None, keep: bool = False
+                 ) -> None:
+        self.net, self.ref, self.keep = net, ref, keep
+        self.total = Total()
+        self.errors: dict[str, float] = {}
+        self.kept: dict[str, torch.Tensor] = {}
+        self.finite = True
+
+    def __call__(self) -> None:
+        for name, g in _grads(self.net):
+            if self.keep:
+                self.kept[name] = g.clone()
+            elif self.ref is not None and name in self.ref:
+                self.errors[name] = self.total.add(g, self.ref[name]).rel
+            if self.ref is None or name not in self.ref:
+                self.finite = self.finite and bool(torch.isfinite(g).all())
+        if self.ref is not None:
+            self.finite = self.finite and self.total.finite
+
+    @property
+    def error(self) -> float:
+        return math.nan if self.ref is None else self.total.err.rel
 
 
 def _step(net: nn.Module, opt: torch.optim.Optimizer, setup: Setup, cand: Candidate,
-          scaler: torch.amp.GradScaler | None, grads: dict[str, torch.Tensor] | None = None
+          scaler: torch.amp.GradScaler | None, read: Callable[[], None] | None = None
           ) -> StepOutcome:
-    """The one step from the doctor's seed; `grads` gets the unscaled gradients it stepped with."""
+    """The one step from the doctor's seed; `read` sees the unscaled gradients before the update."""
     seed(setup.seed, setup.device)  # the same dropout masks in every run
     model = net if setup.step is None else functools.partial(setup.step, net)
-    read = None if grads is None else (lambda: grads.update(_grads(net)))
     return train_step(cand.mode, model, opt, setup.batch, setup.loss_fn, device=setup.device,
                       scaler=scaler, before_update=read)
 
@@ -144,38 +203,81 @@ def _amax(t: torch.Tensor) -> float:
     return float(a.max()) if a.numel() else math.nan
 
 
-class _Recorder:
-    """Forward hooks on every module of a copy: first-call outputs, and leaf inputs if asked."""
+def _run_alone(module: nn.Module, inputs: Any, cand: Candidate, setup: Setup
+               ) -> torch.Tensor | None:
+    """A leaf module alone on (a copy of) the given fp32 inputs, in a candidate's arithmetic."""
+    args, kwargs = map_tensors(torch.clone, inputs)
+    mode = cand.mode
+    if not mode.is_mixed:  # a true mode computes in its weights' dtype: a converted copy
+        module = mode.convert_module(copy.deepcopy(module))
+    rng = Rng.take()  # a module run aside must not move the reference's random stream
+    try:
+        with torch.no_grad(), cand.context(setup.device), mode.forward_context(setup.device):
+            return _first_floats(module(*mode.convert_input(args), **mode.convert_input(kwargs)))
+    except (RuntimeError, TypeError, ValueError):  # e.g. an op without a kernel for the dtype
+        return None
+    finally:
+        rng.restore()
 
-    def __init__(self, net: nn.Module, inputs: bool) -> None:
-        self.outputs: dict[str, torch.Tensor] = {}
+
+class _Recorder:
+    """Forward hooks on every module of a copy, first call only: output amax, and the output
+    spilled to disk (the reference) or compared with the reference's (a candidate); leaves of
+    the reference also run alone in each `local` candidate (their local error), then drop it."""
+
+    def __init__(self, net: nn.Module, setup: Setup, spill: Spill | None, ref: Spill | None,
+                 local: Sequence[Candidate] = ()) -> None:
+        self.setup, self.spill, self.ref, self.cands = setup, spill, ref, tuple(local)
+        self.amax: dict[str, float] = {}
+        self.end_to_end: dict[str, Err] = {}
+        self.local: dict[str, dict[str, Err]] = {}
         self.inputs: dict[str, Any] = {}
         self.handles = []
         for name, module in net.named_modules():
             if not name:
                 continue
-            self.handles.append(module.register_forward_hook(self._out(name)))
-            if inputs and not any(True for _ in module.children()):
+            alone = self.cands and not any(True for _ in module.children()) and not isinstance(
+                module, RANDOM)
+            if alone:
                 self.handles.append(module.register_forward_pre_hook(self._in(name),
                                                                      with_kwargs=True))
-
-    def _out(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if name not in self.outputs:
-                found = _first_floats(out)
-                if found is not None:
-                    self.outputs[name] = found
-        return hook
+            self.handles.append(module.register_forward_hook(self._out(name, alone)))
 
     def _in(self, name: str) -> Callable:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if name not in self.inputs:
+            if name not in self.amax and name not in self.inputs:  # an in-place op overwrites
                 self.inputs[name] = map_tensors(lambda t: t.detach().clone(), (args, kwargs))
+        return hook
+
+    def _out(self, name: str, alone: bool) -> Callable:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if name in self.amax:
+                return
+            found = _first_floats(out)
+            if found is None:
+                self.inputs.pop(name, None)
+                return
+            self.amax[name] = _amax(found)
+            if self.spill is not None:
+                self.spill.put(name, found)
+            if self.ref is not None and name in self.ref:
+                self.end_to_end[name] = compare(found, self.ref.get(name))
+            inputs = self.inputs.pop(name, None)
+            if alone and inputs is not None:
+                self.local[name] = {c.name: _local(module, inputs, c, self.setup, found)
+                                    for c in self.cands}
         return hook
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        self.inputs.clear()
+
+
+def _local(module: nn.Module, inputs: Any, cand: Candidate, setup: Setup, want: torch.Tensor
+           ) -> Err:
+    got = _run_alone(module, inputs, cand, setup)
+    return NOT_COMPARED if got is None else compare(got, want)
 
 
 def _keep(net: nn.Module, keep: tuple[str, ...]) -> contextlib.AbstractContextManager:
@@ -185,14 +287,17 @@ def _keep(net: nn.Module, keep: tuple[str, ...]) -> contextlib.AbstractContextMa
 
 
 def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference: bool = False,
-            ref: StepResult | None = None) -> StepResult:
-    """One instrumented step: outputs per module, first inf/NaN op, memory, loss, gradients,
-    and the weights it left (lost updates measured against `ref`, 32-true's result)."""
+            ref: StepResult | None = None, local: Sequence[Candidate] = ()) -> StepResult:
+    """One instrumented step: output error and amax per module, first inf/NaN op, memory, loss,
+    gradient error, and what it left in the weights, compared with `ref` (32-true's result) as
+    they stream; `reference=True` keeps what the others compare against (and runs each leaf
+    alone in the `local` candidates)."""
     net, opt = _copy(setup, cand)
     scaler = cand.mode.make_scaler(setup.device)
     before = weights(net) if reference or (ref is not None and narrow(cand.mode)) else {}
-    rec = _Recorder(net, inputs=reference)
-    grads: dict[str, torch.Tensor] = {}
+    rec = _Recorder(net, setup, setup.spill() if reference else None,
+                    ref.outputs if ref is not None else None, local if reference else ())
+    grads = _Grads(net, None if reference or ref is None else ref.grads, keep=reference)
     t0 = time.perf_counter()
     try:
         with _keep(net, keep), cand.context(setup.device), MemoryMeter(setup.device) as meter:
@@ -203,23 +308,29 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     seconds = time.perf_counter() - t0
     loss, scale = float(out.loss.float()), out.scale
     found_left = weights_left(net, opt, before, ref)
-    step_ok = math.isfinite(loss) and _all_finite(grads)
+    if reference:
+        moved_now = moved(before, {n: p.detach() for n, p in net.named_parameters()})
+    before = {}
+    step_ok = math.isfinite(loss) and grads.finite
     # The hunter checks every op (slow), so it runs only to find where a broken step broke
     # (and, for weights left inf/NaN, only when no known cause names it).
     found = NonFinite(False)
     unknown = found_left["bad_weights"] and not eps_causes(opt)
+    sizes = dict(param_bytes=_nbytes(net.parameters()),
+                 grad_bytes=_nbytes(p.grad for p in net.parameters()),
+                 optimizer_bytes=_nbytes(v for st in opt.state.values() for v in st.values()))
+    del net, opt, out
     if not step_ok or unknown:
         found = hunt(setup, cand, keep, scale)
     if step_ok and unknown and found.op:
         found_left["weights_cause"] += f": {found.message}"
-    result = dict(name=cand.name, loss=loss, grads=grads, outputs=rec.outputs,
-                  amax={k: _amax(v) for k, v in rec.outputs.items()}, nonfinite=found,
-                  saved_bytes=meter.peak_bytes, param_bytes=_nbytes(net.parameters()),
-                  grad_bytes=_nbytes(p.grad for p in net.parameters()),
-                  optimizer_bytes=_nbytes(v for st in opt.state.values() for v in st.values()),
-                  scale=scale, inputs=rec.inputs, before=before if reference else {},
-                  after=weights(net) if reference else {}, seconds=seconds, **found_left)
-    if scale is not None and math.isfinite(loss) and not _all_finite(grads):
+    result = dict(name=cand.name, loss=loss, grads_finite=grads.finite, grad_error=grads.error,
+                  param_errors=grads.errors, end_to_end=rec.end_to_end, amax=rec.amax,
+                  nonfinite=found, saved_bytes=meter.peak_bytes, scale=scale, seconds=seconds,
+                  **sizes, **found_left)
+    if reference:
+        result.update(grads=grads.kept, moved=moved_now, outputs=rec.spill, local=rec.local)
+    if scale is not None and math.isfinite(loss) and not grads.finite:
         result.update(_rescale(setup, cand, keep, scale, found, ref))
     return StepResult(**result)
 
@@ -234,11 +345,11 @@ def hunt(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float | No
 
 
 def _step_at(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
-             ref: StepResult | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The step with a GradScaler starting at `scale`: (unscaled gradients, what it left)."""
+             ref: StepResult | None) -> tuple[_Grads, dict[str, Any]]:
+    """The step with a GradScaler starting at `scale`: (its gradients' figures, what it left)."""
     net, opt = _copy(setup, cand)
     before = weights(net) if ref is not None and narrow(cand.mode) else {}
-    grads: dict[str, torch.Tensor] = {}
+    grads = _Grads(net, None if ref is None else ref.grads)
     with _keep(net, keep), cand.context(setup.device):
         _step(net, opt, setup, cand, _scaler(cand, setup.device, scale), grads)
     return grads, weights_left(net, opt, before, ref)
@@ -251,18 +362,24 @@ def _rescale(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
     top = round(math.log2(scale))
     low = round(math.log2(MIN_SCALE))
     grads, left = _step_at(setup, cand, keep, 2.0**low, ref)
-    if not _all_finite(grads):  # no scale helps: the gradients overflow on their own
+    if not grads.finite:  # no scale helps: the gradients overflow on their own
         return dict(scale=2.0**low, skipped=top - low, first_overflow=found)
     hi = top  # invariant: 2**low gives finite gradients, 2**hi does not
     while hi - low > 1:
         mid = (low + hi) // 2
         found_grads, found_left = _step_at(setup, cand, keep, 2.0**mid, ref)
-        if _all_finite(found_grads):
+        if found_grads.finite:
             low, grads, left = mid, found_grads, found_left
         else:
             hi = mid
-    return dict(grads=grads, scale=2.0**low, skipped=top - low, first_overflow=found,
+    return dict(grads_finite=True, grad_error=grads.error, param_errors=grads.errors,
+                scale=2.0**low, skipped=top - low, first_overflow=found,
                 nonfinite=NonFinite(False, ops_checked=found.ops_checked), **left)
+
+
+def keeps_model(cand: Candidate) -> bool:
+    """The mode runs the fp32 model as it is (32-true, the mixed modes, TF32): no converted copy."""
+    return type(cand.mode).convert_module is PrecisionMode.convert_module
 
 
 def time_steps(setup: Setup, runs: Sequence[tuple[Candidate, float | None, tuple[str, ...], int]],
@@ -270,18 +387,21 @@ def time_steps(setup: Setup, runs: Sequence[tuple[Candidate, float | None, tuple
     """Wall times of full steps (forward, backward, optimizer step) of several runs, each
     (candidate, loss scale, fp32 islands, timed steps), after `warmup` untimed rounds. The steps
     go round-robin across the runs, so drift on a shared machine (another job, OpenMP spin) hits
-    every mode alike; torch's thread count is left as the user has it."""
-    copies = []
+    every mode alike; torch's thread count is left as the user has it. Modes that keep the fp32
+    model step one shared copy (each with its own GradScaler): only modes that convert the
+    model add a copy."""
+    copies: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+    steppers = []
     for cand, scale, _, _ in runs:
-        net, opt = _copy(setup, cand)
-        copies.append((net, opt, _scaler(cand, setup.device, scale)))
+        key = "fp32" if keeps_model(cand) else cand.name
+        if key not in copies:
+            copies[key] = _copy(setup, cand)
+        steppers.append((*copies[key], _scaler(cand, setup.device, scale)))
     times: list[list[float]] = [[] for _ in runs]
-    with contextlib.ExitStack() as islands:  # each copy's own modules: all held at once
-        for (_, _, keep, _), (net, _, _) in zip(runs, copies):
-            islands.enter_context(_keep(net, keep))
-        for i in range(warmup + max((n for *_, n in runs), default=0)):
-            for (cand, _, _, n), (net, opt, scaler), found in zip(runs, copies, times):
-                if i < warmup + n:
+    for i in range(warmup + max((n for *_, n in runs), default=0)):
+        for (cand, _, keep, n), (net, opt, scaler), found in zip(runs, steppers, times):
+            if i < warmup + n:
+                with _keep(net, keep):  # islands per step: runs may share the copy
                     _timed(setup, cand, net, opt, scaler, found if i >= warmup else [])
     return times
 

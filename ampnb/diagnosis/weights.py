@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ampnb.apex import master_of
-from ampnb.diagnosis.errors import lost_updates
+from ampnb.diagnosis.errors import lost_share
 from ampnb.formats import get_format
 from ampnb.modes import PrecisionMode
 from ampnb.workbench.state import nonfinite_params
@@ -53,9 +53,9 @@ def weights_left(net: nn.Module, opt: torch.optim.Optimizer, before: dict[str, t
     the reference's (a StepResult) nonzero updates that left this mode's weight unchanged."""
     bad = nonfinite_params(net, opt)
     lost = None
-    if before and ref is not None and ref.before:  # the weight the optimizer keeps (APEX: master)
-        lost = lost_updates(ref.before, ref.after, before,
-                            {n: master_of(p).detach() for n, p in net.named_parameters()})
+    if before and ref is not None and ref.moved:  # the weight the optimizer keeps (APEX: master)
+        lost = lost_share(ref.moved, before,
+                          {n: master_of(p).detach() for n, p in net.named_parameters()})
     total = sum(1 for _ in net.parameters())
     return dict(bad_weights=bad, lost_updates=lost,
                 weights_cause=weights_cause(bad, total, eps_causes(opt)) if bad else "")
