@@ -22,18 +22,20 @@ from ampnb.diagnosis.budget import Budget, Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidates
 from ampnb.diagnosis.code import code
 from ampnb.diagnosis.errors import rel
-from ampnb.diagnosis.evidence import MIN_TIMED, ModeRow, mode_row, underflow
+from ampnb.diagnosis.evidence import MIN_TIMED, ModeRow, acceptable, mode_row, underflow
 from ampnb.diagnosis.failures import expected
 from ampnb.diagnosis.layers import layer_rows
 from ampnb.diagnosis.profile import Profile, profile_run
-from ampnb.diagnosis.recommend import ISLAND_MODES, Tolerance, choose, islands
+from ampnb.diagnosis.recommend import ISLAND_MODES, IslandRow, Tolerance, choose, islands
 from ampnb.diagnosis.report import DoctorReport
 from ampnb.diagnosis.run import Setup, StepResult, keeps_model, measure, time_steps
+from ampnb.diagnosis.training import TRAIN_STEPS, TrainCheck, reference_check, train_check
 from ampnb.formats import get_format
 from ampnb.modes import get_mode
 from ampnb.start import started
 
 SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed MIN_TIMED x
+MAX_RERUNS_SAID = 2  # fewer island reruns than this left: the search is listed as not fitting
 MAX_REPEAT = 100  # timed steps per mode: more says nothing new and can run for hours
 
 
@@ -251,37 +253,57 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
                                     times.get(REFERENCE)) for c in ran]
     by_name = {c.name: c for c in cands}
 
-    def islands_for(row: ModeRow) -> None:
+    def islands_for(row: ModeRow) -> ModeRow | None:
         cand = by_name[row.name]
         layers = layer_rows(setup.model, ref, runs, formats)
+        found: dict[tuple[str, ...], StepResult] = {}
 
         def rerun(keep: tuple[str, ...], cand: Candidate = cand) -> ModeRow:
-            if not clock.fits(runs[cand.name].seconds, f"{cand.name} islands {', '.join(keep)}"):
-                raise _OutOfBudget
             say(f"{cand.name} with {', '.join(keep)} kept in fp32: verifying")
-            found = measure(setup, cand, keep, ref=ref)
-            pair = [None, None]
-            if cand.label != "emulated" and clock.fits(
-                    repeat * (clock.plain + _cost(found, ref, clock.plain)),
-                    f"timing {cand.name} with islands"):
-                pair = time_steps(setup, [(cands[0], None, (), repeat),
-                                          (cand, found.scale, keep, repeat)])
-            return mode_row(cand, found, ref, pair[1], pair[0], keep)
+            found[keep] = measure(setup, cand, keep, ref=ref)
+            return mode_row(cand, found[keep], ref, None, None, keep)
 
-        try:
-            fixed = islands(row, layers, tol, rerun)
-        except _OutOfBudget:
-            fixed = None
-        if fixed is not None:
-            rows.append(fixed)
+        each = max(runs[cand.name].seconds, 1e-3)
+        reruns = max(0, int(clock.left // each))
+        fixed = islands(row, layers, tol, rerun, max_reruns=reruns)
+        if reruns < MAX_RERUNS_SAID and fixed is None and not acceptable(row, tol.loss, tol.grad) \
+                and cand.name in ISLAND_MODES:
+            clock.skip(f"fp32 islands for {cand.name}")
+        if fixed is None:
+            return None
+        keep, result = fixed.keep_fp32, found.get(fixed.keep_fp32)
+        if result is not None and cand.label != "emulated" and clock.fits(
+                repeat * (clock.plain + _cost(result, ref, clock.plain)),
+                f"timing {cand.name} with its islands"):
+            pair = time_steps(setup, [(cands[0], None, (), repeat), (cand, result.scale, keep,
+                                                                      repeat)])
+            timed = mode_row(cand, result, ref, pair[1], pair[0], keep)
+            fixed = IslandRow.of(timed, fixed.search) if isinstance(fixed, IslandRow) else timed
+        rows.append(fixed)
+        return fixed
 
     for row in list(rows[1:]):
         islands_for(row)
+    checks: dict[str, TrainCheck] = {}
+    reference: list[TrainCheck] = []
     for cand in true:
         run(cand)
-        if cand.name in runs:
-            rows.append(mode_row(cand, runs[cand.name], ref, None, None))
-            islands_for(rows[-1])
+        if cand.name not in runs:
+            continue
+        rows.append(mode_row(cand, runs[cand.name], ref, None, None))
+        best = islands_for(rows[-1]) or rows[-1]
+        if not train or not acceptable(best, tol.loss, tol.grad):
+            continue
+        steps = TRAIN_STEPS * (clock.plain + _cost(runs[cand.name], ref, clock.plain))
+        if not reference:
+            steps += TRAIN_STEPS * clock.plain
+        if clock.fits(steps, f"{cand.name}: its {TRAIN_STEPS}-step check beside 32-true's (needed "
+                             "before a true mode is recommended for training)"):
+            say(f"{cand.name}: {TRAIN_STEPS} training steps beside 32-true's (lost updates)")
+            if not reference:
+                reference.append(reference_check(setup))
+            checks[cand.name] = train_check(setup, cand, reference=reference[0],
+                                            keep=best.keep_fp32)
     fp64 = _fp64_check(setup, ref) if clock.fits(3 * ref.seconds, "the fp64 check") else \
         "64-true check: did not fit the budget"
     profiles: dict[str, Profile] = {}
@@ -290,15 +312,13 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
             if clock.fits(_cost(runs[cand.name], ref, clock.plain) * 2, f"profile of {cand.name}"):
                 profiles[cand.name] = profile_run(setup, cand, runs[cand.name].scale, warmup=False)
     layers = layer_rows(setup.model, ref, runs, formats)
-    rec, elsewhere = choose(rows, tol, lambda m, k, t: code(m, k, setup.device, t))
+    rec, elsewhere = choose(rows, tol, lambda m, k, t: code(m, k, setup.device, t), checks,
+                            train=train)
     grads = {c: r.param_errors for c, r in runs.items() if c != REFERENCE}
     return DoctorReport(setup.device, rec, elsewhere, tuple(rows), layers, grads, profiles,
                         tuple(skipped), fp64, tuple(_range_notes(ref, ran)), tol,
-                        torch.get_num_threads(), repeat, tuple(clock.left_out), clock.summary())
-
-
-class _OutOfBudget(Exception):
-    """An island rerun that would not fit the budget."""
+                        torch.get_num_threads(), repeat, tuple(clock.left_out), clock.summary(),
+                        checks)
 
 
 def _time(setup: Setup, timed: list[Candidate], runs: dict[str, StepResult], ref: StepResult,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ampnb.diagnosis.evidence import ModeRow
@@ -50,6 +50,7 @@ class DoctorReport:
     repeat: int = 0              # timed steps per mode, round-robin across modes
     left_out: tuple[str, ...] = ()   # work that did not fit the time budget
     budget: str = ""                 # the budget, what was spent, and the order of the work
+    checks: dict[str, Any] = field(default_factory=dict)  # true mode -> its multi-step TrainCheck
 
     def mode(self, name: str, keep: tuple[str, ...] = ()) -> ModeRow:
         """The row of a candidate (with given islands)."""
@@ -95,6 +96,7 @@ class DoctorReport:
         if self.budget:
             notes.append(self.budget)
         notes += [f"did not fit: {s}" for s in self.left_out]
+        notes += [f"{name} multi-step check: {c.summary}" for name, c in self.checks.items()]
         if self.threads is not None:
             notes.append(self.timing)
         if any(r.seconds is None for r in self.modes):
