@@ -302,6 +302,8 @@ def test_panel_updates_on_each_record_and_closes(run):
     assert w.callbacks == [] and panel.widget.comm is None
     with pytest.raises(ValueError, match="source=int is not allowed"):
         WatchPanel(3)
+    with pytest.raises(ValueError, match="interval=-1 is not allowed; allowed: seconds >= 0"):
+        WatchPanel(FakeWatch(), interval=-1)
 
 
 def test_panel_throttles_a_fast_loop_and_flushes_when_the_kernel_is_free(run):

@@ -16,9 +16,12 @@ from ampnb.plots._axes import new_axes
 from ampnb.plots.watch import plot_headroom, plot_records
 from ampnb.scaler.records import format_scale
 from ampnb.watch.records import HEADROOM_FORMATS, KINDS, LOG_NAME, StepRecord, read_log
-from ampnb.watch.table import layers_table, loss_text, records_table, summarize
+from ampnb.watch.table import StepSummary, layers_table, loss_text, records_table, summarize
 
 _VIEWS = ("scale and loss", "headroom")
+# Redraws take at most about a twentieth of a fast loop's time: after a draw that took t seconds,
+# the next waits at least _QUIET * t (a long run's redraw costs more than `interval` allows).
+_QUIET = 19.0
 
 
 def _interval(name: str, value: Any, allow_none: bool = False) -> float | None:
@@ -41,8 +44,8 @@ def _loop() -> asyncio.AbstractEventLoop | None:
 class WatchPanel(Panel):
     """Status, scale/loss or headroom plot, and the step and layer tables of a watched run.
 
-    `source` is a watch (its `.records`, redrawn on each new record, at most every `interval`
-    seconds so a fast loop is not slowed) or a log_dir another process writes (read again on
+    `source` is a watch (its `.records`, redrawn on a new record at most every `interval`
+    seconds and in at most about 5% of a fast loop's time; interval=0: on every record) or a log_dir another process writes (read again on
     Refresh, and every `poll` seconds while the kernel is idle, where it has an event loop).
     """
 
@@ -67,6 +70,7 @@ class WatchPanel(Panel):
         self.closed = False
         self._pending = False
         self._last_draw = -float("inf")
+        self._cost = 0.0  # seconds the last redraw took
         self._handle: asyncio.Handle | asyncio.TimerHandle | None = None  # throttled redraw
         self._poll_handle: asyncio.TimerHandle | None = None
         self._seen: tuple[tuple[str, int], ...] | None = None  # log files' sizes last read
@@ -126,15 +130,17 @@ class WatchPanel(Panel):
         if self.closed:
             return
         self._pending = True
-        wait = self.interval - (time.monotonic() - self._last_draw)
-        if wait <= 0:
+        since = time.monotonic() - self._last_draw
+        # interval=0 asks for every record; else the gap also grows with the redraw's cost.
+        if since >= (self.interval and max(self.interval, _QUIET * self._cost)):
             self.refresh()
             return
         loop = _loop()
         if loop is not None and self._handle is None:
-            # Runs once the kernel is free again (after the loop's cell) or at the next await:
-            # the last records are drawn even when no record comes after them.
-            self._handle = loop.call_later(wait, self._flush)
+            # Runs once the kernel is free again (after the loop's cell) or at the next await,
+            # when no loop is slowed by it: the last records are drawn even when no record
+            # comes after them.
+            self._handle = loop.call_later(max(0.0, self.interval - since), self._flush)
 
     def _flush(self) -> None:
         self._handle = None
@@ -183,8 +189,10 @@ class WatchPanel(Panel):
     # ----- view ---------------------------------------------------------------------------
 
     def _refresh(self, note: str | None) -> None:
-        self.status.value = self._status(note)
-        self.steps_html.value = records_table(self.records)._repr_html_()
+        t0 = time.perf_counter()
+        steps = summarize(self.records)  # once per redraw: the table and the plot take them
+        self.status.value = self._status(steps, note)
+        self.steps_html.value = records_table(steps)._repr_html_()
         self.layers_html.value = layers_table(self.records)._repr_html_()
         self.kind.disabled = self.fmt.disabled = self.view.value != "headroom"
         self.figure.clear()  # the twin axis goes too; the same figure is redrawn in place
@@ -192,12 +200,12 @@ class WatchPanel(Panel):
         if self.view.value == "headroom":
             plot_headroom(self.records, kind=self.kind.value, fmt=self.fmt.value, ax=self.ax)
         else:
-            plot_records(self.records, ax=self.ax)
+            plot_records(steps, ax=self.ax)
         self._show(self.figure)
+        self._cost = time.perf_counter() - t0
         self._last_draw = time.monotonic()
 
-    def _status(self, note: str | None) -> str:
-        steps = summarize(self.records)
+    def _status(self, steps: list[StepSummary], note: str | None) -> str:
         src = f"log_dir {self.log_dir}" if self.log_dir is not None else "live watch"
         fields = [f"{src}: {len(steps)} steps"]
         if steps:

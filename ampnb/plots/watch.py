@@ -10,7 +10,7 @@ from matplotlib.axes import Axes
 from ampnb.formats import get_format
 from ampnb.plots._axes import new_axes
 from ampnb.watch.records import KINDS, StepRecord
-from ampnb.watch.table import summarize
+from ampnb.watch.table import StepSummary, summarize
 
 
 def _empty(ax: Axes, text: str) -> Axes:
@@ -18,7 +18,8 @@ def _empty(ax: Axes, text: str) -> Axes:
     return ax
 
 
-def plot_records(records: Iterable[StepRecord], ax: Axes | None = None) -> Axes:
+def plot_records(records: Iterable[StepRecord] | Iterable[StepSummary],
+                 ax: Axes | None = None) -> Axes:
     """Loss scale per step (log2 axis) with skipped steps marked; the loss on a twin axis."""
     steps = summarize(records)
     ax = new_axes(ax, figsize=(7.0, 3.2))

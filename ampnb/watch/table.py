@@ -51,27 +51,36 @@ def _records(records: Iterable[StepRecord]) -> list[StepRecord]:
     return found
 
 
-def summarize(records: Iterable[StepRecord]) -> list[StepSummary]:
-    """One StepSummary per step, in step order, the ranks' records of that step merged."""
+def _first(bad: list[StepRecord]) -> StepRecord:
+    # A rank that names a module saw the inf/NaN arise there; one that names none got it
+    # through the gradient all-reduce. Among those, the step that ended first (no clock last).
+    return min(bad, key=lambda r: (not r.first_module, math.isnan(r.time), r.time, r.rank))
+
+
+def _summary(step: int, rs: list[StepRecord]) -> StepSummary:
+    rs.sort(key=lambda r: r.rank)
+    bad = [r for r in rs if r.nonfinite]
+    first = _first(bad) if bad else None
+    return StepSummary(
+        step=step, ranks=tuple(r.rank for r in rs), loss=sum(r.loss for r in rs) / len(rs),
+        scale=rs[0].scale, skipped=tuple(r.rank for r in rs if r.skipped),
+        nonfinite=tuple(r.rank for r in bad), first_rank=first.rank if first else None,
+        first_module=first.first_module if first else "",
+        first_phase=first.first_phase if first else "", lost_updates=rs[0].lost_updates)
+
+
+def summarize(records: Iterable[StepRecord] | Iterable[StepSummary]) -> list[StepSummary]:
+    """One StepSummary per step, in step order, the ranks' records of that step merged.
+
+    Summaries already made are returned as they are (a panel summarizes once per redraw).
+    """
+    found = list(records)
+    if found and all(isinstance(s, StepSummary) for s in found):
+        return found
     by_step: dict[int, list[StepRecord]] = {}
-    for r in _records(records):
+    for r in _records(found):
         by_step.setdefault(r.step, []).append(r)
-    out = []
-    for step in sorted(by_step):
-        rs = sorted(by_step[step], key=lambda r: r.rank)
-        bad = [r for r in rs if r.nonfinite]
-        # A rank that names a module saw the inf/NaN arise there; one that names none got it
-        # through the gradient all-reduce. Among those, the step that ended first (no clock last).
-        first = min(bad, key=lambda r: (not r.first_module, math.isnan(r.time), r.time, r.rank)
-                    ) if bad else None
-        losses = [r.loss for r in rs]
-        out.append(StepSummary(
-            step=step, ranks=tuple(r.rank for r in rs), loss=math.fsum(losses) / len(losses),
-            scale=rs[0].scale, skipped=tuple(r.rank for r in rs if r.skipped),
-            nonfinite=tuple(r.rank for r in bad), first_rank=first.rank if first else None,
-            first_module=first.first_module if first else "",
-            first_phase=first.first_phase if first else "", lost_updates=rs[0].lost_updates))
-    return out
+    return [_summary(step, by_step[step]) for step in sorted(by_step)]
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -178,7 +187,7 @@ class StepsTable(TableView):
         return notes
 
 
-def records_table(records: Iterable[StepRecord], *, head: int = 5, tail: int = 5,
+def records_table(records: Iterable[StepRecord] | Iterable[StepSummary], *, head: int = 5, tail: int = 5,
                   max_events: int = 40) -> StepsTable:
     """One row per step (ranks merged); long runs show eventful steps plus first/last few."""
     for name, v in (("head", head), ("tail", tail), ("max_events", max_events)):
