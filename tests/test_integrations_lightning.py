@@ -1,0 +1,203 @@
+"""PrecisionMonitor in a real Lightning Trainer: the planted overflow, the logger, fused optimizers."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
+
+from ampnb.formats import get_format
+from ampnb.integrations.lightning import PrecisionMonitor
+
+K = 3       # the step whose forward overflows
+STEPS = 6
+
+
+class Spike(nn.Linear):
+    """A Linear whose output is multiplied past fp16's max on one training step only."""
+
+    def __init__(self, at: int | None) -> None:
+        super().__init__(16, 16)
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls - 1 == self.at:
+                out = out * (4 * get_format("fp16").max)  # |out| ~ 1: inf in fp16
+        return out
+
+
+class Net(pl.LightningModule):
+    def __init__(self, at: int | None = None, fused: bool = False) -> None:
+        super().__init__()
+        self.inp, self.boom, self.out = nn.Linear(8, 16), Spike(at), nn.Linear(16, 1)
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.boom(torch.tanh(self.inp(x))))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def configure_optimizers(self):
+        if self.fused:
+            return torch.optim.Adam(self.parameters(), lr=1e-2, fused=True)
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Scales(pl.Callback):
+    """The scaler's own scale after every optimizer step (what the records must agree with)."""
+
+    def __init__(self) -> None:
+        self.start = 0.0
+        self.after: list[float] = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = trainer.precision_plugin.scaler.get_scale()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after.append(trainer.precision_plugin.scaler.get_scale())
+
+
+def _data() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(4 * STEPS, 8, generator=g),
+                                        torch.randn(4 * STEPS, 1, generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=4)
+
+
+def _fit(net: pl.LightningModule, callbacks: list, logger=False, precision: str = "16-mixed"):
+    pl.seed_everything(0, verbose=False)
+    plugins = [MixedPrecision(precision, "cpu", torch.amp.GradScaler("cpu"))] \
+        if precision == "16-mixed" else []
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", plugins=plugins,
+                         precision=None if plugins else precision, callbacks=callbacks,
+                         deterministic=True, enable_checkpointing=False, logger=logger,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's notes on workers and the tiny dataset
+        trainer.fit(net, _data())
+    return trainer
+
+
+def _net(**kw) -> Net:
+    torch.manual_seed(0)
+    return Net(**kw)
+
+
+def test_a_planted_overflow_is_skipped_halves_the_scale_and_names_the_module(tmp_path):
+    monitor, scales = PrecisionMonitor(), Scales()
+    trainer = _fit(_net(at=K), [monitor, scales], logger=CSVLogger(tmp_path))
+    scaler = trainer.precision_plugin.scaler
+    records = monitor.records
+    assert [r.step for r in records] == list(range(STEPS))
+    assert [r.skipped for r in records] == [s == K for s in range(STEPS)]
+    bad = records[K]
+    assert bad.nonfinite and bad.first_module == "boom" and bad.first_phase == "forward"
+    # each record holds the scale its backward ran at: the scaler's own value before the step
+    assert [r.scale for r in records] == [scales.start, *scales.after[:-1]]
+    assert scales.after[K] == records[K].scale * scaler.get_backoff_factor()
+    assert all(not r.nonfinite for r in records if r.step != K)
+
+    # the logger got every step's scalars under ampnb/*
+    (path,) = tmp_path.rglob("metrics.csv")
+    rows = [r for r in csv.DictReader(path.open()) if r.get("ampnb/scale")]
+    assert [int(r["step"]) for r in rows] == list(range(STEPS))
+    assert [float(r["ampnb/scale"]) for r in rows] == [r.scale for r in records]
+    assert [float(r["ampnb/skipped"]) for r in rows] == [float(r.skipped) for r in records]
+    assert float(rows[0]["ampnb/loss"]) == pytest.approx(records[0].loss)
+
+
+def test_the_loss_is_the_unscaled_loss_lightning_computed():
+    seen: list[float] = []
+
+    class Losses(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(float(outputs["loss"]))  # Lightning's own, unscaled, unnormalized
+
+    monitor = PrecisionMonitor()
+    _fit(_net(), [monitor, Losses()])
+    assert [r.loss for r in monitor.records] == pytest.approx(seen, rel=1e-6)
+    assert all(r.micro_batches == 1 for r in monitor.records)
+
+
+def test_weights_with_and_without_the_monitor_are_bit_identical():
+    plain, watched = _net(at=K), _net(at=K)
+    _fit(plain, [])
+    monitor = PrecisionMonitor()
+    _fit(watched, [monitor])
+    assert len(monitor.records) == STEPS
+    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert all(not m._forward_hooks for m in watched.modules())  # closed at fit's end
+
+
+def test_fused_adam_gradients_are_reported_unscaled_where_lightning_skips_unscale():
+    monitor = PrecisionMonitor()
+    trainer = _fit(_net(fused=True), [monitor])
+    opt = trainer.optimizers[0]
+    assert _optimizer_handles_unscaling(opt)  # Lightning's own test: it does not call unscale_
+
+    # the reference: a plain loop over the same batches, fused Adam, the scaler's own step
+    net = _net(fused=True)
+    ref_opt = torch.optim.Adam(net.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    unscaled, scaled = [], []
+    for x, y in _data():
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = nn.functional.mse_loss(net(x).float(), y)
+        scaler.scale(loss).backward()
+        # the largest finite |gradient| of each layer's own parameters, as the record defines it
+        scaled.append({n: max(float(torch.where(p.grad.isfinite(), p.grad.abs(), 0).max())
+                              for p in m.parameters()) for n, m in net.named_children()})
+        unscaled.append({n: g / scaler.get_scale() for n, g in scaled[-1].items()})
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+    for record, ref, raw in zip(monitor.records, unscaled, scaled):
+        got = {la.module: la.grad_amax for la in record.layers}
+        assert got == pytest.approx(ref, rel=1e-6)
+        assert all(got[n] <= raw[n] / 1000 for n in raw)  # not the scaled gradients
+    assert sum(not r.skipped for r in monitor.records) >= STEPS // 2
+    assert max(la.grad_amax for la in monitor.records[-1].layers) > 0
+
+
+def test_bf16_mixed_has_no_scaler_and_the_monitor_says_so():
+    monitor = PrecisionMonitor()
+    trainer = _fit(_net(), [monitor], precision="bf16-mixed")
+    assert getattr(trainer.precision_plugin, "scaler", None) is None
+    assert len(monitor.records) == STEPS
+    assert all(r.scale is None and not r.has_scaler and not r.skipped for r in monitor.records)
+
+
+def test_an_exception_in_training_closes_the_watch_and_keeps_its_records():
+    class Fails(Net):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise ValueError("user's bug")
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    net, monitor = Fails(), PrecisionMonitor()
+    with pytest.raises(ValueError, match="user's bug"):
+        _fit(net, [monitor])
+    assert len(monitor.records) == 2
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"every": 0}, "every=0"), ({"log": "yes"}, "log='yes'"), ({"log_dir": 3}, "log_dir=3")])
+def test_bad_arguments_are_refused_in_one_line(kwargs, says):
+    with pytest.raises(ValueError, match=says) as e:
+        PrecisionMonitor(**kwargs)
+    assert "\n" not in str(e.value) and "allowed" in str(e.value)
