@@ -5,21 +5,23 @@ than half a unit in the last place of a bf16/fp16 weight leaves the weight uncha
 step. `train_check` runs K steps of a candidate with the user's optimizer from the doctor's
 snapshot beside the same K steps of 32-true, and counts those lost updates as they happen.
 
-The lost share is measured, not modelled: an fp32 shadow (a 32-true copy of the weights and the
-user's optimizer) is set each step to the mode's weights, its optimizer state and its gradients
-(all widened exactly to fp32) and stepped; where the shadow's weight moved (the nonzero fp32
-update) but the mode's own step left its weight unchanged, the update was lost. Cost: one more
-fp32 copy of the parameters, their gradients and the optimizer state (AdamW: about 16 bytes a
-parameter, on the candidate's device), and one more optimizer step per step (no forward or
-backward).
+The lost share is measured, not modelled: before each update, a copy of the user's optimizer
+steps each parameter once more in fp32, from the mode's weight, optimizer state and gradient
+widened exactly to fp32; where that fp32 step moves a weight (the nonzero fp32 update) but the
+mode's own step leaves it unchanged, the update was lost. Cost per step: one more optimizer
+step, run tensor by tensor (no forward or backward); memory: one tensor's fp32 weight, gradient
+and state at a time, plus a copy of the mode's weights and a mask (3 bytes a bf16 parameter)
+until its step has run.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import math
 import time
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +34,6 @@ from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
 from ampnb.diagnosis.errors import Err, compare, flat, rel
 from ampnb.diagnosis.recommend import Tolerance
 from ampnb.diagnosis.run import Setup, _copy, _keep
-from ampnb.modes import get_mode
 from ampnb.start import seed
 from ampnb.step import forward_loss, train_step
 from ampnb.workbench.state import nonfinite_params
@@ -63,33 +64,45 @@ class _Shadow:
     """The fp32 update the user's optimizer would make from the mode's weights, state and
     gradients, and which of those nonzero updates the mode's own step lost."""
 
-    def __init__(self, setup: Setup, opt: torch.optim.Optimizer, names: list[str],
-                 lrs: tuple[float, ...]) -> None:
-        _, self.opt32 = setup.start.copy(get_mode(REFERENCE), setup.device)
-        _set_lrs(self.opt32, lrs)
+    def __init__(self, opt: torch.optim.Optimizer, names: list[str]) -> None:
+        # The same optimizer (class, hyper-parameters, learning rates) over placeholders: each
+        # step it is pointed at one fp32 tensor at a time, so it holds one tensor's worth.
+        memo: dict[int, Any] = {id(p): torch.empty(0) for p in _positions(opt)}
+        memo[id(opt.state)] = defaultdict(dict)
+        self.opt32 = copy.deepcopy(opt, memo)
         self.opt, self.names = opt, names
         self.lost = [0] * len(names)
         self.moved = [0] * len(names)
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
+    def _wanted(self, group: int, w: torch.Tensor) -> torch.Tensor:
+        """Where one fp32 step of this tensor, from the mode's weight, state and gradient, moves
+        it (per-element optimizers update each tensor on its own: torch's all are, but LBFGS)."""
+        s = w.detach().to(torch.float32, copy=True).requires_grad_(True)
+        s.grad = w.grad.detach().to(torch.float32, copy=True)
+        for i, g in enumerate(self.opt32.param_groups):
+            g["params"] = [s] if i == group else []
+        state = self.opt.state.get(w)
+        self.opt32.state.clear()
+        if state:
+            self.opt32.state[s] = {k: _wide(v) for k, v in state.items()}
+        self.opt32.step()
+        self.opt32.state.clear()
+        return s.detach() != w.detach().float()
+
     def before_update(self) -> None:
         """Step the shadow: the mode's optimizer holds its weights and unscaled gradients now."""
         self.pending = []
-        with torch.no_grad():
-            for w, s in zip(_positions(self.opt), _positions(self.opt32)):
-                s.copy_(w.detach())
-                s.grad = None if w.grad is None else w.grad.detach().to(torch.float32, copy=True)
-                state = self.opt.state.get(w)
-                self.opt32.state[s] = {k: _wide(v) for k, v in state.items()} if state else {}
-        self.opt32.step()
-        with torch.no_grad():
-            for i, (w, s) in enumerate(zip(_positions(self.opt), _positions(self.opt32))):
-                if s.grad is not None:
-                    # the weight tensor itself (APEX: the master), its value now, where fp32 moved
-                    self.pending.append((i, w, w.detach().clone(), s != w.detach().float()))
-        for s in _positions(self.opt32):
-            s.grad = None
-        self.opt32.state.clear()  # the next step copies it afresh from the mode's
+        i = 0
+        for group, g in enumerate(self.opt.param_groups):
+            for w in g["params"]:
+                if w.grad is not None:
+                    wanted = self._wanted(group, w)
+                    # the weight tensor itself (APEX: the master) and its value before the step
+                    self.pending.append((i, w, w.detach().clone(), wanted))
+                i += 1
+        for g in self.opt32.param_groups:
+            g["params"] = []
 
     def after_update(self, stepped: bool) -> None:
         """Count, for the step just taken, the nonzero fp32 updates its weights did not take."""
@@ -210,7 +223,7 @@ def _run(setup: Setup, cand: Candidate, batches: list[Batch], lrs: tuple[float, 
     scaler = cand.mode.make_scaler(setup.device)
     ids = {id(p): n for n, p in net.named_parameters()}
     names = [ids.get(id(p), f"param {i}") for i, p in enumerate(_positions(opt))]
-    watch = _Shadow(setup, opt, names, lrs) if shadow else None
+    watch = _Shadow(opt, names) if shadow else None
     model: Any = net if setup.step is None else functools.partial(setup.step, net)
     losses: list[float] = []
     with _keep(net, keep):
