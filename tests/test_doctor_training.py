@@ -125,7 +125,9 @@ def test_embedding_model_loses_its_updates_in_bf16_true(embedded):
     mixed = embedded["bf16-mixed"]
     assert mixed.ok() and mixed.lost == 0.0  # fp32 weights take every update
     assert mixed.reference_losses == check.reference_losses
-    assert not embedded["16-true"].ok() and "inf/NaN" in embedded["16-true"].summary
+    fp16 = embedded["16-true"]  # AdamW's eps=1e-8 is 0 in fp16 (torch's cast says so)
+    assert float(torch.tensor(1e-8, dtype=torch.float16)) == 0
+    assert not fp16.ok() and "inf/NaN" in fp16.summary and "eps=1e-08 is 0 in fp16" in fp16.summary
 
 
 def test_first_step_lost_share_against_a_plain_adamw_step():
@@ -203,6 +205,30 @@ def test_bad_arguments_name_the_value():
                              (dict(steps=3, reference=ref), "reference=32-true")):
             with pytest.raises(ValueError, match=text):
                 train_check(setup, bf16, **kwargs)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_state_is_restored_when_the_loss_raises_midway(error):
+    """A loss_fn that raises at the 3rd step: torch's default dtype and autocast are as they
+    were, the user's weights and optimizer untouched; the error reaches the caller."""
+    calls = []
+
+    def loss_fn(out, y):
+        calls.append(torch.get_default_dtype())
+        if len(calls) == 3:
+            raise error("from the user's loss")
+        return CE(out.float(), y)
+
+    model = Embedded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with setup_for(model, opt, token_data(), loss_fn) as setup:
+        ref = reference_check(setup, 2)
+        with pytest.raises(error, match="user's loss"):
+            train_check(setup, candidate("bf16-true", "cpu"), 2, reference=ref)
+    assert calls[2] == torch.bfloat16  # it raised inside the true mode's forward context
+    assert torch.get_default_dtype() == torch.float32 and not torch.is_autocast_enabled("cpu")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items()) and not opt.state
 
 
 # ----- choose(): no true mode for training without a passing multi-step check ------------------

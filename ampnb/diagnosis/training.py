@@ -34,6 +34,7 @@ from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
 from ampnb.diagnosis.errors import Err, compare, flat, rel
 from ampnb.diagnosis.recommend import Tolerance
 from ampnb.diagnosis.run import Setup, _copy, _keep
+from ampnb.diagnosis.weights import eps_causes
 from ampnb.start import seed
 from ampnb.step import forward_loss, train_step
 from ampnb.workbench.state import nonfinite_params
@@ -154,10 +155,11 @@ class TrainCheck:
     lost_by_param: dict[str, float] = field(default_factory=dict)  # name -> its lost share
     lost_counts: dict[str, int] = field(default_factory=dict)      # name -> updates it lost
     bad_weights: tuple[str, ...] = ()       # parameters the steps left inf/NaN
+    cause: str = ""                         # why, where known (an eps that is 0 in the dtype)
     optimizer: str = ""
     lrs: tuple[float, ...] = ()             # the learning rate of each param group it ran at
     tolerance: float = TRAJECTORY_TOL
-    seconds: float = math.nan
+    seconds: float = math.nan               # its steps' wall time (and 32-true's, if run for it)
 
     @property
     def finite(self) -> bool:
@@ -193,7 +195,7 @@ class TrainCheck:
             at = f"inf/NaN at step {len(self.losses)}" if len(self.losses) < self.steps or \
                 not math.isfinite(self.losses[-1]) else \
                 f"weights left inf/NaN ({', '.join(self.bad_weights[:TOP])})"
-            return f"{head}: {who} {at}"
+            return f"{head}: {who} {at}" + (f" ({self.cause})" if self.cause else "")
         where = f" ({self.where_lost})" if self.worst else ""
         return (f"{head}: loss within {self.deviation:.1e} of 32-true's (tolerance "
                 f"{self.tolerance:g}); {self.lost:.1%} of the nonzero fp32 updates left its "
@@ -216,8 +218,10 @@ def _batches(setup: Setup, steps: int, batches: Iterable[Any] | None) -> list[Ba
 
 
 def _run(setup: Setup, cand: Candidate, batches: list[Batch], lrs: tuple[float, ...],
-         keep: tuple[str, ...], shadow: bool) -> tuple[list[float], _Shadow | None, tuple[str, ...]]:
-    """K steps of one candidate from the snapshot: (losses, its shadow, weights left inf/NaN)."""
+         keep: tuple[str, ...], shadow: bool
+         ) -> tuple[list[float], _Shadow | None, tuple[str, ...], str]:
+    """K steps of one candidate from the snapshot: (losses, its shadow, weights left inf/NaN,
+    a known cause of inf/NaN)."""
     net, opt = _copy(setup, cand)
     _set_lrs(opt, lrs)
     scaler = cand.mode.make_scaler(setup.device)
@@ -237,7 +241,9 @@ def _run(setup: Setup, cand: Candidate, batches: list[Batch], lrs: tuple[float, 
             losses.append(float(out.loss.float()))
             if not math.isfinite(losses[-1]):
                 break  # what follows an inf/NaN step says nothing more
-    return losses, watch, nonfinite_params(net, opt)
+    bad = nonfinite_params(net, opt)
+    broke = bad or not math.isfinite(losses[-1])
+    return losses, watch, bad, "; ".join(eps_causes(opt)) if broke else ""
 
 
 def _check_steps(steps: Any) -> None:
@@ -262,10 +268,10 @@ def reference_check(setup: Setup, steps: int = TRAIN_STEPS, *, batches: Iterable
     _check_steps(steps)
     lrs = peak_lrs(setup.start.optimizer, scheduler)
     t0 = time.perf_counter()
-    losses, _, bad = _run(setup, candidate(REFERENCE, setup.device), _batches(setup, steps, batches),
-                          lrs, (), shadow=False)
+    losses, _, bad, cause = _run(setup, candidate(REFERENCE, setup.device),
+                                 _batches(setup, steps, batches), lrs, (), shadow=False)
     return TrainCheck(REFERENCE, (), steps, tuple(losses), tuple(losses), 0.0, 0.0, bad_weights=bad,
-                      optimizer=type(setup.start.optimizer).__name__, lrs=lrs,
+                      cause=cause, optimizer=type(setup.start.optimizer).__name__, lrs=lrs,
                       seconds=time.perf_counter() - t0)
 
 
@@ -279,6 +285,7 @@ def train_check(setup: Setup, cand: Candidate, steps: int = TRAIN_STEPS, *,
     _check_steps(steps)
     limit = _check_tol(tol)
     lrs = peak_lrs(setup.start.optimizer, scheduler)
+    t0 = time.perf_counter()  # the reference's steps count when they run here
     if reference is None:
         reference = reference_check(setup, steps, batches=batches, scheduler=scheduler)
     elif not (isinstance(reference, TrainCheck) and reference.mode == REFERENCE and
@@ -286,8 +293,8 @@ def train_check(setup: Setup, cand: Candidate, steps: int = TRAIN_STEPS, *,
         shown = reference.mode if isinstance(reference, TrainCheck) else type(reference).__name__
         raise ValueError(f"reference={shown} is not allowed; allowed: reference_check(setup, "
                          f"{steps}) with the same batches and learning rates, or None")
-    t0 = time.perf_counter()
-    losses, watch, bad = _run(setup, cand, _batches(setup, steps, batches), lrs, tuple(keep), True)
+    losses, watch, bad, cause = _run(setup, cand, _batches(setup, steps, batches), lrs,
+                                     tuple(keep), True)
     ref = reference.losses
     n = min(len(losses), len(ref))
     deviation = max((rel(a, b) for a, b in zip(losses[:n], ref[:n])), default=math.inf)
@@ -298,9 +305,8 @@ def train_check(setup: Setup, cand: Candidate, steps: int = TRAIN_STEPS, *,
     counts = {name: watch.lost[i] for i, name in enumerate(watch.names) if watch.moved[i]}
     moved = sum(watch.moved)
     return TrainCheck(cand.name, tuple(keep), steps, tuple(losses), ref, deviation,
-                      sum(watch.lost) / moved if moved else 0.0, per, counts, bad,
-                      type(setup.start.optimizer).__name__, lrs, limit,
-                      time.perf_counter() - t0 + reference.seconds)
+                      sum(watch.lost) / moved if moved else 0.0, per, counts, bad, cause,
+                      type(setup.start.optimizer).__name__, lrs, limit, time.perf_counter() - t0)
 
 
 @dataclass(frozen=True, eq=False)
