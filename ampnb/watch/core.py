@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._interrupt import Guard
+from ampnb import _interrupt
+from ampnb._interrupt import Guard, critical
 from ampnb._tree import map_tensors
 from ampnb.start import param_dtype
 from ampnb.step import _engine_in, _engine_out
@@ -79,12 +80,15 @@ class Watch:
         self._callbacks: list[Callable[[StepRecord], Any]] = []
         self._state: StepState | None = None
         self._scaled: set[int] = set()  # ids of what scaler.scale returned this step
+        self._fresh = False  # the model ran a forward since the last backward counted
         self.rank = _rank()
         self.overflow_file: Any = None  # the file keep_overflow wrote, once it has
         self._log = log_path(log_dir, self.rank) if log_dir is not None else None
         self._tb = _tensorboard(log_dir) if log_dir is not None else None
         self._guard = Guard(self._attach, self._detach)
-        self._guard.apply()
+        # entered, not applied: ampnb's SIGINT handler stays until close(), so an interrupt
+        # landing in the watch's own code (its hooks, close) is held until it is consistent
+        self._guard.__enter__()
 
     # ----- public ----------------------------------------------------------------------------
 
@@ -119,13 +123,18 @@ class Watch:
 
         return WatchPanel(self)
 
+    @critical
     def close(self) -> None:
         """Remove every hook, put back what was wrapped; the model is no longer referenced."""
         self._guard.__exit__(None, None, None)
 
+    @critical
     def __enter__(self) -> Watch:
+        if _interrupt._pending:  # interrupted on the way in: close, then raise it
+            self.close()
         return self
 
+    @critical
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -189,6 +198,7 @@ class Watch:
         if not torch.is_grad_enabled():  # validation / inference: not part of a step
             return
         s = self._current()
+        self._fresh = True
         if math.isnan(s.t0):
             s.t0 = time.perf_counter()
             s.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
@@ -212,6 +222,9 @@ class Watch:
         return backward
 
     def _on_backward(self, roots: Any) -> None:
+        if not self._fresh:  # another model's backward (a copy, a GAN's other half)
+            return
+        self._fresh = False
         s = self._current()
         s.micro_batches += 1
         if math.isnan(s.t0):
@@ -333,14 +346,18 @@ class Watch:
                      for k, i in enumerate(keys))
 
 
+@critical
 def watch(model: nn.Module, optimizer: Any, scaler: Any = None, *, every: int = 1,
           log_dir: Any = None, keep_overflow: Any = None) -> Watch:
     """Record the user's own training loop per optimizer step, through hooks only.
 
     As a context manager, or until `close()`. See the README's "Watch a real run".
     """
-    return Watch(model, optimizer, scaler, every=every, log_dir=log_dir,
-                 keep_overflow=keep_overflow)
+    w = Watch(model, optimizer, scaler, every=every, log_dir=log_dir,
+              keep_overflow=keep_overflow)
+    if _interrupt._pending:  # held while it returned: close, then raise it
+        w.close()
+    return w
 
 
 __all__ = ["Watch", "watch"]
