@@ -161,6 +161,9 @@ class TrainCheck:
     tolerance: float = TRAJECTORY_TOL
     seconds: float = math.nan               # its steps' wall time (and 32-true's, if run for it)
 
+    def __repr__(self) -> str:
+        return f"<TrainCheck {self.mode}: {'passed' if self.ok() else 'failed'} {self.summary}>"
+
     @property
     def finite(self) -> bool:
         """Every step ran with a finite loss, and the weights ended finite (32-true's too)."""
@@ -321,6 +324,10 @@ class InferenceCheck:
     loss_error: float
     finite: bool                # the outputs and the loss hold no inf/NaN
     seconds: float = math.nan
+
+    def __repr__(self) -> str:
+        return (f"<InferenceCheck {self.mode}: output error {self.output.text}, loss error "
+                f"{self.loss_error:.1e}{'' if self.finite else ', inf/NaN'}>")
 
     def ok(self, tol: Tolerance | None = None) -> bool:
         """Finite, loss error within tol.loss and output error within tol.grad (the doctor's
