@@ -56,6 +56,10 @@ class Master:
         torch.save({"tensors": self.tensors, "optimizer": self.optimizer}, path)
         return dataclasses.replace(self, tensors={}, optimizer={}, path=path)
 
+    def values(self) -> dict[str, torch.Tensor]:
+        """The model tensors by name (read from disk, memory-mapped, when put aside there)."""
+        return self._values()[0]
+
     def _values(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         if self.path is None:
             return self.tensors, self.optimizer
@@ -217,3 +221,41 @@ def started(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     """`with started(model, opt) as start:` the snapshot (its values in the file `disk` when
     given); the RNG is put back on the way out."""
     return Guard(lambda: Start.take(model, optimizer, disk), lambda start: start.rng.restore())
+
+
+@dataclass(frozen=True, eq=False)
+class Aside:
+    """The user's gradients and optimizer state, put on disk while a runner works on copies (so
+    the process holds one model's training memory, not two), and put back exactly after."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    path: str
+    master: Master
+
+    @classmethod
+    def take(cls, start: Start, user_optimizer: torch.optim.Optimizer | None, path: str) -> Aside:
+        """Save the gradients to `path`, then drop them and the optimizer's state (the snapshot
+        already holds that state)."""
+        grads = {n: p.grad for n, p in start.model.named_parameters() if p.grad is not None}
+        torch.save(grads, path)
+        found = cls(start.model, user_optimizer, path, start.master)
+        for p in start.model.parameters():
+            p.grad = None
+        if user_optimizer is not None:
+            user_optimizer.state.clear()
+        return found
+
+    def restore(self) -> None:
+        """Gradients and optimizer state as they were (the same values, new tensors)."""
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self.master.optimizer_state())
+        grads = torch.load(self.path, weights_only=True)
+        for n, p in self.model.named_parameters():
+            if n in grads:
+                p.grad = grads[n]
+
+
+def set_aside(start: Start, user_optimizer: torch.optim.Optimizer | None, path: str) -> Guard:
+    """`with set_aside(start, optimizer, path):` the user's gradients and optimizer state on disk."""
+    return Guard(lambda: Aside.take(start, user_optimizer, path), Aside.restore)

@@ -72,6 +72,45 @@ def test_untouched_when_the_loss_raises(error, at_call):
     _same(before, _picture(model, opt))
 
 
+def _with_grads() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model mid-training: optimizer state, and gradients of the next batch not yet stepped."""
+    model, opt = _trained()
+    x, y = data()
+    CE(model(x) * 3, y).backward()
+    return model, opt
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("interrupt_at", [None, 1, 3])
+def test_gradients_and_optimizer_state_set_aside_come_back_exactly(interrupt_at):
+    """The doctor puts the user's gradients and optimizer state on disk while it works on copies;
+    they come back bit for bit, also when an interrupt lands between its stages."""
+    model, opt = _with_grads()
+    grads, state = _grads(model), copy.deepcopy(opt.state_dict())
+    seen = []
+
+    def progress(text):
+        seen.append(text)
+        if interrupt_at is not None and len(seen) == interrupt_at:
+            assert all(p.grad is None for p in model.parameters()) and not opt.state  # aside
+            raise KeyboardInterrupt
+
+    if interrupt_at is None:
+        ampnb.doctor(model, data(), CE, optimizer=opt, progress=progress, **FAST)
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            ampnb.doctor(model, data(), CE, optimizer=opt, progress=progress, **FAST)
+    assert all(g is not None and torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    after = opt.state_dict()
+    assert state["param_groups"] == after["param_groups"]
+    for k, st in state["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][n]))
+                   for n, v in st.items())
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_untouched_when_interrupted_between_modes(stage):
     model, opt = _trained()

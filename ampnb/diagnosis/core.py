@@ -32,7 +32,7 @@ from ampnb.diagnosis.run import Setup, StepResult, keeps_model, measure, time_st
 from ampnb.diagnosis.training import TRAIN_STEPS, TrainCheck, reference_check, train_check
 from ampnb.formats import get_format
 from ampnb.modes import get_mode
-from ampnb.start import started
+from ampnb.start import set_aside, started
 
 SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed MIN_TIMED x
 MAX_RERUNS_SAID = 2  # fewer island reruns than this left: the search is listed as not fitting
@@ -194,7 +194,8 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     say = o.progress or Progress()
     with Guard(_save, _restore), tempfile.TemporaryDirectory(prefix="ampnb-doctor-") as scratch, \
-            started(model, o.optimizer, os.path.join(scratch, "start.pt")) as start:
+            started(model, o.optimizer, os.path.join(scratch, "start.pt")) as start, \
+            set_aside(start, o.optimizer, os.path.join(scratch, "grads.pt")):
         setup = Setup(start, data, loss_fn, dev, o.seed, step, scratch)
         return _diagnose(setup, cands, skipped, tol, o.repeat, o.profile, say, Clock(budget),
                          o.train)
@@ -219,9 +220,11 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     n = len(cands)
     mixed = [c for c in cands[1:] if keeps_model(c) or c.mode.is_mixed]
     true = [c for c in cands[1:] if c not in mixed]
-    islanded = [c for c in cands[1:] if c.name in ISLAND_MODES]
+    # local errors (each leaf alone) for the mixed modes that get islands: a true mode's leaf
+    # would need a converted copy of its weights, which a run of that mode has anyway
+    local = [c for c in cands[1:] if c.name in ISLAND_MODES and c.mode.is_mixed]
     say(f"{REFERENCE} (1/{n}): reference step")
-    ref = measure(setup, cands[0], reference=True, local=islanded)
+    ref = measure(setup, cands[0], reference=True, local=local)
     if not ref.finite:
         where = f" ({ref.nonfinite.message})" if ref.nonfinite else ""
         raise ValueError(f"the {REFERENCE} step itself produced inf/NaN{where}; the doctor "

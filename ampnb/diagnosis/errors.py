@@ -113,7 +113,7 @@ class Total:
 def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
           ) -> dict[str, torch.Tensor]:
     """Which entries of each floating weight a step changed (one byte per entry)."""
-    return {n: after[n] != w for n, w in before.items()
+    return {n: after[n] != w.to(after[n].device, after[n].dtype) for n, w in before.items()
             if n in after and w.is_floating_point() and after[n].shape == w.shape}
 
 

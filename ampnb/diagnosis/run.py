@@ -9,7 +9,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,23 +32,35 @@ from ampnb.step import StepOutcome, train_step
 MIN_SCALE = 2.0**-8  # a loss scale below this means the gradients overflow whatever the scale
 
 
-class Spill:
-    """Tensors kept on disk by name, read back one at a time (the reference's module outputs):
-    the candidates compare against them as they stream, so no run holds another's activations."""
+class Spill(Mapping):
+    """Tensors kept on disk by name, read back one at a time (the reference's module outputs and
+    gradients): the candidates compare against them as they stream, so no run holds another's
+    activations or gradients."""
 
     def __init__(self, root: str) -> None:
         self.root, self.paths = root, {}
 
     def put(self, name: str, t: torch.Tensor) -> None:
-        path = os.path.join(self.root, f"out{len(self.paths)}.pt")
+        path = os.path.join(self.root, f"t{len(self.paths)}.pt")
         torch.save(t, path)
         self.paths[name] = path
 
-    def get(self, name: str) -> torch.Tensor:
-        return torch.load(self.paths[name], weights_only=True)
+    def get(self, name: str, default: Any = None) -> Any:
+        return torch.load(self.paths[name], weights_only=True) if name in self.paths else default
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.paths:
+            raise KeyError(name)
+        return self.get(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self.paths
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +112,7 @@ class StepResult:
     weights_cause: str = ""                    # why, when it is known
     lost_updates: float | None = None          # share of 32-true's updates this step lost
     # the reference's own (empty in a candidate's result):
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)   # unscaled, as stepped with
+    grads: Mapping[str, torch.Tensor] = field(default_factory=dict)  # unscaled, on disk
     moved: dict[str, torch.Tensor] = field(default_factory=dict)   # entries its step changed
     outputs: Spill | None = None                                   # module outputs, on disk
     local: dict[str, dict[str, Err]] = field(default_factory=dict)  # leaf -> candidate -> error
@@ -158,18 +170,17 @@ class _Grads:
     """The unscaled gradients of one step, read just before the update: compared with the
     reference's as they are read (a candidate), or kept (the reference itself)."""
 
-    def __init__(self, net: nn.Module, ref: dict[str, torch.Tensor] | None, keep: bool = False
-                 ) -> None:
-        self.net, self.ref, self.keep = net, ref, keep
+    def __init__(self, net: nn.Module, ref: Mapping[str, torch.Tensor] | None,
+                 keep: Spill | None = None) -> None:
+        self.net, self.ref, self.kept = net, ref, keep
         self.total = Total()
         self.errors: dict[str, float] = {}
-        self.kept: dict[str, torch.Tensor] = {}
         self.finite = True
 
     def __call__(self) -> None:
         for name, g in _grads(self.net):
-            if self.keep:
-                self.kept[name] = g.clone()
+            if self.kept is not None:
+                self.kept.put(name, g)
             elif self.ref is not None and name in self.ref:
                 self.errors[name] = self.total.add(g, self.ref[name]).rel
             if self.ref is None or name not in self.ref:
@@ -198,6 +209,11 @@ def _first_floats(obj: Any) -> torch.Tensor | None:
 
 
 def _amax(t: torch.Tensor) -> float:
+    if not t.numel():
+        return math.nan
+    top = float(t.abs().max())
+    if math.isfinite(top):  # the common case: one pass, no mask
+        return top
     a = t.abs()
     a = a[torch.isfinite(a)]
     return float(a.max()) if a.numel() else math.nan
@@ -294,10 +310,12 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     alone in the `local` candidates)."""
     net, opt = _copy(setup, cand)
     scaler = cand.mode.make_scaler(setup.device)
-    before = weights(net) if reference or (ref is not None and narrow(cand.mode)) else {}
+    # the reference's weights before its step are the snapshot's (on disk): nothing to copy
+    before = weights(net) if ref is not None and narrow(cand.mode) else {}
     rec = _Recorder(net, setup, setup.spill() if reference else None,
                     ref.outputs if ref is not None else None, local if reference else ())
-    grads = _Grads(net, None if reference or ref is None else ref.grads, keep=reference)
+    grads = _Grads(net, None if reference or ref is None else ref.grads,
+                   setup.spill() if reference else None)
     t0 = time.perf_counter()
     try:
         with _keep(net, keep), cand.context(setup.device), MemoryMeter(setup.device) as meter:
@@ -309,7 +327,9 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     loss, scale = float(out.loss.float()), out.scale
     found_left = weights_left(net, opt, before, ref)
     if reference:
-        moved_now = moved(before, {n: p.detach() for n, p in net.named_parameters()})
+        start = {n: t for n, t in setup.start.master.values().items() if n in setup.start.master.params}
+        moved_now = moved(start, {n: p.detach() for n, p in net.named_parameters()})
+        del start
     before = {}
     step_ok = math.isfinite(loss) and grads.finite
     # The hunter checks every op (slow), so it runs only to find where a broken step broke
