@@ -1,9 +1,9 @@
 """Measurements that each run in a fresh process, so peak memory is that run's alone.
 
 `python -m benchmarks._procs train|doctor MODEL THREADS` builds MODEL, sets the torch thread
-count and prints one `RESULT {json}` line: `train` runs plain 32-true AdamW steps (median step
-time), `doctor` runs one plain step and then `ampnb.doctor` with its defaults (wall time, the
-headline, what did not fit). Both report peak RSS from `getrusage` at the end.
+count and prints one `RESULT {json}` line. Both run the same plain 32-true steps with the
+model's optimizer (median step time); `doctor` then runs `ampnb.doctor` with its defaults (wall
+time, the headline, what did not fit). Both report peak RSS from `getrusage` at the end.
 """
 
 from __future__ import annotations
@@ -63,14 +63,19 @@ MODELS: dict[str, Callable[[], tuple]] = {
 
 @dataclass(frozen=True)
 class Measurement:
-    """What one process measured: seconds (train: median step; doctor: wall), peak RSS in MiB."""
+    """What one process measured: seconds (train: median plain step; doctor: its wall time),
+    the process CPU time of the same, peak RSS in MiB; a doctor process also times plain steps
+    just before the doctor, so a loaded machine slows the unit and the doctor alike."""
 
     kind: str
     model: str
     threads: int
     params: int
     seconds: float
+    cpu_seconds: float
     peak_mib: float
+    step_seconds: float = 0.0      # doctor: median plain step in the same process, wall
+    step_cpu_seconds: float = 0.0  # doctor: the same in process CPU time
     headline: str = ""    # the doctor's recommendation
     not_fit: str = ""     # what the doctor's report says did not fit its budget
     most_time: str = ""   # the doctor's three longest stages
@@ -144,17 +149,19 @@ def _not_fit(report: Any) -> str:
     return ""
 
 
-def _plain_steps(model: Any, batch: Any, optimizer: Any, loss_fn: Any, n: int) -> list[float]:
+def _plain_steps(model: Any, batch: Any, optimizer: Any, loss_fn: Any) -> tuple[float, float]:
+    """Median wall and process-CPU seconds of TRAIN_STEPS plain 32-true steps, after one more."""
     from ampnb.batch import as_batch
     from ampnb.modes import get_mode
     from ampnb.step import train_step
 
-    mode, data, times = get_mode("32-true"), as_batch(batch, loss_fn), []
-    for _ in range(n):
-        t0 = time.perf_counter()
+    mode, data, wall, cpu = get_mode("32-true"), as_batch(batch, loss_fn), [], []
+    for _ in range(1 + TRAIN_STEPS):  # the first creates the optimizer's state
+        t0, c0 = time.perf_counter(), time.process_time()
         train_step(mode, model, optimizer, data, loss_fn)
-        times.append(time.perf_counter() - t0)
-    return times
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall[1:]), statistics.median(cpu[1:])
 
 
 def child(kind: str, model_name: str, threads: int) -> Measurement:
@@ -163,17 +170,18 @@ def child(kind: str, model_name: str, threads: int) -> Measurement:
     model, batch, optimizer, loss_fn = MODELS[model_name]()
     params = sum(p.numel() for p in model.parameters())
     base = dict(kind=kind, model=model_name, threads=torch.get_num_threads(), params=params)
+    # The same steps in both kinds: the doctor then starts from the state training leaves.
+    step, step_cpu = _plain_steps(model, batch, optimizer, loss_fn)
     if kind == "train":
-        times = _plain_steps(model, batch, optimizer, loss_fn, 1 + TRAIN_STEPS)[1:]
-        return Measurement(**base, seconds=statistics.median(times), peak_mib=_peak_mib())
+        return Measurement(**base, seconds=step, cpu_seconds=step_cpu, peak_mib=_peak_mib())
     import ampnb
 
-    _plain_steps(model, batch, optimizer, loss_fn, 1)  # the state training leaves
     phases = _Phases()  # only listens: the doctor runs with its default arguments
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     report = ampnb.doctor(model, batch, loss_fn, optimizer=optimizer, progress=phases)
-    seconds = time.perf_counter() - t0
-    return Measurement(**base, seconds=seconds, peak_mib=_peak_mib(),
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return Measurement(**base, seconds=seconds, cpu_seconds=cpu, peak_mib=_peak_mib(),
+                       step_seconds=step, step_cpu_seconds=step_cpu,
                        headline=report.recommended.headline, not_fit=_not_fit(report),
                        most_time=phases.top())
 
