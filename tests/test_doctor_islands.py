@@ -69,6 +69,20 @@ class TwoCauses(Planted):
         return self.head(torch.tanh(self.mid(a + b)))
 
 
+class Nested(nn.Module):
+    """The plant inside a block whose own output (after its LayerNorm) fits fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(16, 32), Scale(1e5), nn.ReLU(), nn.LayerNorm(32))
+        self.mid = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.block(x))))
+
+
 def fp32_layers(model: nn.Module, x: torch.Tensor) -> tuple[LayerRow, ...]:
     """Per-module fp32 output range and fp16 headroom from a plain forward (the trusted side)."""
     found: dict[str, tuple[nn.Module, float]] = {}
@@ -87,13 +101,14 @@ def fp32_layers(model: nn.Module, x: torch.Tensor) -> tuple[LayerRow, ...]:
                           {"fp16": headroom(amax, FP16_MAX)}) for name, (m, amax) in found.items())
 
 
-def search(model: nn.Module, mode: str = "16-mixed", max_reruns: int | None = None):
+def search(model: nn.Module, mode: str = "16-mixed", max_reruns: int | None = None,
+           optimizer: torch.optim.Optimizer | None = None):
     """islands() as the doctor calls it, with a rerun from run.measure/evidence.mode_row; also
     the rerun itself (to verify minimality) and the keep sets it was called with."""
     x, y = data()
     layers = fp32_layers(model, x)
     calls: list[tuple[str, ...]] = []
-    with started(model, None) as start:
+    with started(model, optimizer) as start:
         setup = Setup(start, as_batch((x, y), CE), CE, "cpu")
         ref_cand, cand = candidate("32-true", "cpu"), candidate(mode, "cpu")
         ref = measure(setup, ref_cand, reference=True)
@@ -144,6 +159,21 @@ def test_two_causes_are_both_kept_and_each_is_needed():
     assert acceptable(fixed, TOL.loss, TOL.grad)
     for m in fixed.keep_fp32:
         assert not acceptable(rerun(tuple(k for k in fixed.keep_fp32 if k != m)), TOL.loss, TOL.grad)
+
+
+def test_in_a_true_mode_the_block_around_the_overflow_is_kept():
+    """16-true: a kept module's fp32 output is cast back to fp16 at its boundary, so keeping the
+    overflowing module alone cannot help; the block around it, whose output fits, can. (SGD:
+    AdamW's default eps is 0 in fp16 and would break the step whatever is kept.)"""
+    model = Nested()
+    layers = {r.module: r for r in fp32_layers(model, data()[0])}
+    assert layers["block.1"].amax > FP16_MAX > 100 * layers["block"].amax
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    row, fixed, _, rerun, calls = search(model, "16-true", optimizer=opt)
+    assert not row.finite and row.nonfinite_module == "block.1"
+    assert not acceptable(rerun(("block.1",)), TOL.loss, TOL.grad)  # alone it cannot help
+    assert fixed.keep_fp32 == ("block",) and fixed.search.minimal
+    assert acceptable(fixed, TOL.loss, TOL.grad) and "block" in fixed.search.sites
 
 
 def test_the_recommendation_shows_before_and_after_of_the_minimal_set():

@@ -143,6 +143,18 @@ def _downstream_first(keep: tuple[str, ...], layers: tuple[LayerRow, ...]) -> li
     return sorted(keep, key=lambda m: -rank.get(m, -1))
 
 
+def _enclosing(row: ModeRow, keep: tuple[str, ...], layers: tuple[LayerRow, ...]) -> list[str]:
+    """The module enclosing the kept one where inf/NaN still appears: in a true mode a kept
+    module's fp32 output is cast back to the narrow dtype at its boundary, so values past the
+    dtype's max need the module around it (whose own output may fit) kept instead."""
+    at = row.nonfinite_module
+    kept = [k for k in keep if at == k or at.startswith(f"{k}.")]
+    if not kept or "." not in min(kept, key=len):
+        return []
+    parent = min(kept, key=len).rsplit(".", 1)[0]
+    return [parent] if parent in {r.module for r in layers} and parent not in keep else []
+
+
 def islands(row: ModeRow, layers: tuple[LayerRow, ...], tol: Tolerance,
             rerun: Callable[[tuple[str, ...]], ModeRow], max_reruns: int | None = None
             ) -> ModeRow | None:
@@ -171,6 +183,8 @@ def islands(row: ModeRow, layers: tuple[LayerRow, ...], tol: Tolerance,
     current = row
     for _ in range(MAX_ROUNDS):
         new = [m for m in sites(current, layers, fmt, tol.grad) if m not in keep]
+        if not new and keep and not current.finite:
+            new = _enclosing(current, keep, layers)
         if not new or len(keep) + len(new) > MAX_ISLANDS or len(runs) - 1 >= budget:
             break
         keep = (*keep, *new)
