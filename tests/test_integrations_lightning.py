@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import importlib
+import sys
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -14,7 +17,9 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
 from ampnb.formats import get_format
+from ampnb.integrations import lightning as integration
 from ampnb.integrations.lightning import PrecisionMonitor
+from ampnb.watch import read_log
 
 K = 3       # the step whose forward overflows
 STEPS = 6
@@ -118,12 +123,50 @@ def test_a_planted_overflow_is_skipped_halves_the_scale_and_names_the_module(tmp
     assert float(rows[0]["ampnb/loss"]) == pytest.approx(records[0].loss)
 
 
+def test_log_dir_and_keep_overflow_reach_the_watch(tmp_path):
+    monitor = PrecisionMonitor(log_dir=tmp_path / "log", keep_overflow=tmp_path / "kept")
+    _fit(_net(at=K), [monitor])
+    assert [r.to_json() for r in read_log(tmp_path / "log")] == [r.to_json() for r in monitor.records]
+    assert monitor.watch.overflow_file is not None and Path(monitor.watch.overflow_file).is_file()
+
+
+def test_accumulation_and_validation_inside_fit():
+    losses: list[float] = []
+
+    class WithVal(Net):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            losses.append(float(loss.detach()))  # the user's loss (Lightning then divides it)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val", nn.functional.mse_loss(self(batch[0]).float(), batch[1]))
+
+    torch.manual_seed(0)
+    monitor = PrecisionMonitor()
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, val_check_interval=2,
+                         limit_val_batches=2, accelerator="cpu", enable_checkpointing=False,
+                         plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))],
+                         callbacks=[monitor], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(WithVal(), _data(), _data())
+    records = monitor.records
+    # one record per optimizer step, fed by 2 micro-batches; validation forwards not counted
+    assert [r.micro_batches for r in records] == [2, 2, 2] and trainer.global_step == 3
+    assert "val" in trainer.callback_metrics  # validation did run in between
+    expected = [(losses[2 * i] + losses[2 * i + 1]) / 2 for i in range(3)]
+    assert [r.loss for r in records] == pytest.approx(expected, rel=1e-6)
+
+
 def test_the_loss_is_the_unscaled_loss_lightning_computed():
     seen: list[float] = []
 
     class Losses(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append(float(outputs["loss"]))  # Lightning's own, unscaled, unnormalized
+            seen.append(float(outputs["loss"]))  # Lightning's own (no accumulation: as returned)
 
     monitor = PrecisionMonitor()
     _fit(_net(), [monitor, Losses()])
@@ -201,3 +244,18 @@ def test_bad_arguments_are_refused_in_one_line(kwargs, says):
     with pytest.raises(ValueError, match=says) as e:
         PrecisionMonitor(**kwargs)
     assert "\n" not in str(e.value) and "allowed" in str(e.value)
+
+
+def test_the_standalone_pytorch_lightning_is_used_when_only_it_is_installed(monkeypatch):
+    # no second Lightning here: the unified one stands in under the standalone name
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
+    monkeypatch.setitem(sys.modules, "pytorch_lightning", pl)
+    try:
+        assert importlib.reload(integration).pl is pl
+        monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
+        with pytest.raises(ImportError, match="needs Lightning: pip install lightning"):
+            importlib.reload(integration)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(integration)
+    assert integration.pl is pl and issubclass(integration.PrecisionMonitor, pl.Callback)

@@ -187,6 +187,21 @@ def test_weights_with_and_without_the_callback_are_bit_identical(tmp_path):
     assert all(not m._forward_hooks for m in watched.modules())  # closed at train's end
 
 
+def test_micro_batches_of_gradient_accumulation_belong_to_their_step(tmp_path):
+    model = _model()
+    losses: list[float] = []
+    model.register_forward_hook(lambda m, a, out: losses.append(float(out.loss.detach())))
+    trainer = _trainer(model, tmp_path, cls=Fp16AutocastTrainer, gradient_accumulation_steps=2)
+    trainer.add_callback(monitor := PrecisionMonitorCallback(trainer))
+    _train(trainer)
+    # 5 batches an epoch: the Trainer steps after 2, 2, then the epoch's last 1
+    assert [r.micro_batches for r in monitor.records] == [2, 2, 1, 2, 2]
+    # the model's own loss, not the one the Trainer divided for accumulation before backward
+    ends = [sum(r.micro_batches for r in monitor.records[:i + 1]) for i in range(STEPS)]
+    expected = [sum(losses[a:b]) / (b - a) for a, b in zip([0, *ends], ends)]
+    assert [r.loss for r in monitor.records] == pytest.approx(expected, rel=1e-6)
+
+
 def test_bad_arguments_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="trainer=str is not allowed") as e:
         PrecisionMonitorCallback("trainer")

@@ -55,7 +55,10 @@ class PrecisionMonitor(pl.Callback):
         from ampnb.watch.core import watch
 
         self._close()
-        if len(trainer.optimizers) != 1:
+        if not trainer.optimizers:
+            raise ValueError("PrecisionMonitor needs an optimizer; allowed: a LightningModule "
+                             "whose configure_optimizers returns one")
+        if len(trainer.optimizers) > 1:
             warnings.warn(f"PrecisionMonitor watches the first of {len(trainer.optimizers)} "
                           "optimizers", stacklevel=2)
         self._pending = []

@@ -67,8 +67,9 @@ class PrecisionMonitorCallback(TrainerCallback):
         if _runs_fp32_for_fp16(trainer):
             warnings.warn("fp16=True on CPU: Accelerate runs no fp16 autocast and no GradScaler "
                           "here, so the model trains in fp32", stacklevel=2)
-        model = kwargs.get("model") or trainer.model
-        optimizer = kwargs.get("optimizer") or trainer.optimizer
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        model = trainer.model if model is None else model  # (a Module's truth is its length)
+        optimizer = trainer.optimizer if optimizer is None else optimizer
         self._pending = []
         self._first_step = state.global_step
         self.watch = watch(model, optimizer, trainer.accelerator.scaler, every=self.every,
