@@ -37,6 +37,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, times: dict[str, list[float]], nati
 
     monkeypatch.setattr(core, "time_steps", fake)
     monkeypatch.setattr(core, "candidates", cands)
+    monkeypatch.setattr(core, "SLOW", float("inf"))  # every mode gets `repeat` steps here
     return calls
 
 

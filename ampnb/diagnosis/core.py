@@ -28,7 +28,14 @@ from ampnb.diagnosis.layers import layer_rows
 from ampnb.diagnosis.profile import Profile, profile_run
 from ampnb.diagnosis.recommend import ISLAND_MODES, IslandRow, Tolerance, choose, islands
 from ampnb.diagnosis.report import DoctorReport
-from ampnb.diagnosis.run import Setup, StepResult, keeps_model, measure, time_steps
+from ampnb.diagnosis.run import (
+    Setup,
+    StepResult,
+    keeps_model,
+    local_errors,
+    measure,
+    time_steps,
+)
 from ampnb.diagnosis.training import TRAIN_STEPS, TrainCheck, reference_check, train_check
 from ampnb.formats import get_format
 from ampnb.modes import get_mode
@@ -220,11 +227,8 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     n = len(cands)
     mixed = [c for c in cands[1:] if keeps_model(c) or c.mode.is_mixed]
     true = [c for c in cands[1:] if c not in mixed]
-    # local errors (each leaf alone) for the mixed modes that get islands: a true mode's leaf
-    # would need a converted copy of its weights, which a run of that mode has anyway
-    local = [c for c in cands[1:] if c.name in ISLAND_MODES and c.mode.is_mixed]
     say(f"{REFERENCE} (1/{n}): reference step")
-    ref = measure(setup, cands[0], reference=True, local=local)
+    ref = measure(setup, cands[0], reference=True)
     if not ref.finite:
         where = f" ({ref.nonfinite.message})" if ref.nonfinite else ""
         raise ValueError(f"the {REFERENCE} step itself produced inf/NaN{where}; the doctor "
@@ -258,6 +262,12 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
 
     def islands_for(row: ModeRow) -> ModeRow | None:
         cand = by_name[row.name]
+        if row.finite and cand.name in ISLAND_MODES and not acceptable(row, tol.loss, tol.grad) \
+                and not any(cand.name in v for v in ref.local.values()) and clock.fits(
+                    2 * clock.plain, f"local errors of {cand.name} (each leaf alone)"):
+            say(f"{cand.name}: each leaf alone on 32-true's inputs (local errors)")
+            for leaf, errs in local_errors(setup, [cand]).items():
+                ref.local.setdefault(leaf, {}).update(errs)
         layers = layer_rows(setup.model, ref, runs, formats)
         found: dict[tuple[str, ...], StepResult] = {}
 

@@ -34,21 +34,39 @@ def flat(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(found) if found else torch.zeros(0, dtype=torch.float64)
 
 
-def compare(got: torch.Tensor, ref: torch.Tensor) -> Err:
-    """||got - ref|| / ||ref|| and 20 log10(||ref|| / ||got - ref||); inf when got is not finite."""
-    if got.shape != ref.shape or ref.numel() == 0:
-        return NOT_COMPARED
-    got, ref = got.double(), ref.double()
-    if not bool(torch.isfinite(got).all()):
-        return Err(math.inf, -math.inf)
-    ref = torch.where(torch.isfinite(ref), ref, got)  # the reference's own inf/NaN compare equal
-    signal = float(torch.linalg.vector_norm(ref))
-    noise = float(torch.linalg.vector_norm(got - ref))
+CHUNK = 1 << 20  # elements per float64 pass: a logits tensor is compared without 4 copies of it
+
+
+def _norms(got: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float, float]:
+    """(got all finite, ||ref||^2, ||got - ref||^2) in float64, a chunk at a time; the
+    reference's own inf/NaN compare equal."""
+    got, ref = got.detach().reshape(-1), ref.detach().reshape(-1)
+    signal = noise = 0.0
+    for i in range(0, got.numel(), CHUNK):
+        g, r = got[i:i + CHUNK].double(), ref[i:i + CHUNK].double()
+        if not bool(torch.isfinite(g).all()):
+            return False, math.nan, math.nan
+        r = torch.where(torch.isfinite(r), r, g)
+        signal += float(torch.dot(r, r))
+        d = g - r
+        noise += float(torch.dot(d, d))
+    return True, signal, noise
+
+
+def _err(signal: float, noise: float) -> Err:
     if noise == 0:
         return Err(0.0, math.inf)
     if signal == 0:
         return Err(math.inf, -math.inf)
-    return Err(noise / signal, 20 * math.log10(signal / noise))
+    return Err(math.sqrt(noise / signal), 10 * math.log10(signal / noise))
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor) -> Err:
+    """||got - ref|| / ||ref|| and 20 log10(||ref|| / ||got - ref||); inf when got is not finite."""
+    if got.shape != ref.shape or ref.numel() == 0:
+        return NOT_COMPARED
+    finite, signal, noise = _norms(got, ref)
+    return _err(signal, noise) if finite else Err(math.inf, -math.inf)
 
 
 def rel(a: float, b: float) -> float:
@@ -82,32 +100,23 @@ class Total:
 
     def add(self, got: torch.Tensor, ref: torch.Tensor) -> Err:
         """Add one pair; returns its own error."""
-        err = compare(got.reshape(-1), ref.reshape(-1))
         if got.shape != ref.shape or ref.numel() == 0:
-            return err
+            return NOT_COMPARED
         self.count += 1
-        if math.isinf(err.rel):
+        finite, signal, noise = _norms(got, ref)
+        if not finite:
             self.finite = False
-            return err
-        g, r = got.double(), ref.double()
-        r = torch.where(torch.isfinite(r), r, g)
-        self.signal += float(torch.linalg.vector_norm(r)) ** 2
-        self.noise += float(torch.linalg.vector_norm(g - r)) ** 2
-        return err
+            return Err(math.inf, -math.inf)
+        self.signal += signal
+        self.noise += noise
+        return _err(signal, noise)
 
     @property
     def err(self) -> Err:
         """The error of everything added (inf when any tensor was not finite)."""
         if not self.finite:
             return Err(math.inf, -math.inf)
-        if not self.count:
-            return NOT_COMPARED
-        if self.noise == 0:
-            return Err(0.0, math.inf)
-        if self.signal == 0:
-            return Err(math.inf, -math.inf)
-        return Err(math.sqrt(self.noise / self.signal),
-                   10 * math.log10(self.signal / self.noise))
+        return _err(self.signal, self.noise) if self.count else NOT_COMPARED
 
 
 def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]

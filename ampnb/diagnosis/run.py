@@ -25,9 +25,9 @@ from ampnb.diagnosis.errors import NOT_COMPARED, Err, Total, compare, moved
 from ampnb.diagnosis.weights import eps_causes, narrow, weights, weights_left
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
-from ampnb.modes import PrecisionMode
+from ampnb.modes import PrecisionMode, get_mode
 from ampnb.start import Rng, Start, seed
-from ampnb.step import StepOutcome, train_step
+from ampnb.step import StepOutcome, forward_loss, train_step
 
 MIN_SCALE = 2.0**-8  # a loss scale below this means the gradients overflow whatever the scale
 
@@ -353,6 +353,27 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     if scale is not None and math.isfinite(loss) and not grads.finite:
         result.update(_rescale(setup, cand, keep, scale, found, ref))
     return StepResult(**result)
+
+
+def local_errors(setup: Setup, cands: Sequence[Candidate]) -> dict[str, dict[str, Err]]:
+    """Each leaf module run alone in each candidate on its fp32 inputs, against its fp32 output,
+    during one 32-true forward (no backward): leaf -> candidate -> error. Asked for only when a
+    candidate's step was finite but out of tolerance (its islands come from these)."""
+    from ampnb.diagnosis.candidates import REFERENCE, candidate
+
+    net, _ = _copy(setup, candidate(REFERENCE, setup.device))
+    rec = _Recorder(net, setup, None, None, cands)
+    seed(setup.seed, setup.device)
+    try:
+        with torch.no_grad():
+            if setup.step is None:
+                forward_loss(get_mode(REFERENCE), net, setup.batch, setup.loss_fn, setup.device)
+            else:
+                with torch.enable_grad():  # a cell's code may call backward itself
+                    setup.step(net)
+    finally:
+        rec.remove()
+    return rec.local
 
 
 def hunt(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float | None) -> NonFinite:
