@@ -60,6 +60,26 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+MARK = 100.0  # a value no batch of randn holds: the batch that carries it overflows
+
+
+class Marked(nn.Linear):
+    """A Linear whose output goes past fp16's max on a batch that carries MARK (replayable)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out * (4 * get_format("fp16").max) if bool((x == MARK).any()) else out
+
+
+class MarkedNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.boom = Marked(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.boom(x))
+
+
 class Scales(pl.Callback):
     """The scaler's own scale after every optimizer step (what the records must agree with)."""
 
@@ -74,24 +94,26 @@ class Scales(pl.Callback):
         self.after.append(trainer.precision_plugin.scaler.get_scale())
 
 
-def _data() -> torch.utils.data.DataLoader:
+def _data(marked: int | None = None) -> torch.utils.data.DataLoader:
     g = torch.Generator().manual_seed(0)
-    ds = torch.utils.data.TensorDataset(torch.randn(4 * STEPS, 8, generator=g),
-                                        torch.randn(4 * STEPS, 1, generator=g))
-    return torch.utils.data.DataLoader(ds, batch_size=4)
+    x, y = torch.randn(4 * STEPS, 8, generator=g), torch.randn(4 * STEPS, 1, generator=g)
+    if marked is not None:
+        x[4 * marked, 0] = MARK  # the first sample of that step's batch
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
 
 
-def _fit(net: pl.LightningModule, callbacks: list, logger=False, precision: str = "16-mixed"):
+def _fit(net: pl.LightningModule, callbacks: list, logger=False, precision: str = "16-mixed",
+         data: torch.utils.data.DataLoader | None = None, init_scale: float = 2.0**16):
     pl.seed_everything(0, verbose=False)
-    plugins = [MixedPrecision(precision, "cpu", torch.amp.GradScaler("cpu"))] \
-        if precision == "16-mixed" else []
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    plugins = [MixedPrecision(precision, "cpu", scaler)] if precision == "16-mixed" else []
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", plugins=plugins,
                          precision=None if plugins else precision, callbacks=callbacks,
                          deterministic=True, enable_checkpointing=False, logger=logger,
                          enable_progress_bar=False, enable_model_summary=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notes on workers and the tiny dataset
-        trainer.fit(net, _data())
+        trainer.fit(net, _data() if data is None else data)
     return trainer
 
 
@@ -128,6 +150,22 @@ def test_log_dir_and_keep_overflow_reach_the_watch(tmp_path):
     _fit(_net(at=K), [monitor])
     assert [r.to_json() for r in read_log(tmp_path / "log")] == [r.to_json() for r in monitor.records]
     assert monitor.watch.overflow_file is not None and Path(monitor.watch.overflow_file).is_file()
+
+
+def test_the_step_kept_inside_fit_replays_to_the_planted_op(tmp_path):
+    import ampnb
+
+    monitor = PrecisionMonitor(keep_overflow=tmp_path / "kept")
+    torch.manual_seed(0)
+    # a low initial scale: the marked batch is the first (and only) step that overflows
+    _fit(MarkedNet(), [monitor], data=_data(marked=K), init_scale=2.0**8)
+    assert [r.skipped for r in monitor.records] == [s == K for s in range(STEPS)]
+    assert monitor.records[K].first_module == "boom"
+    replay = ampnb.doctor.replay(monitor.watch.overflow_file)
+    assert replay.step == K and replay.scale == monitor.records[K].scale
+    found = replay.nonfinite
+    assert found.found and found.module == "boom" and found.phase == "forward"
+    assert found.op.endswith("mul")  # the planted multiplication, not the Linear before it
 
 
 def test_accumulation_and_validation_inside_fit():
