@@ -10,7 +10,7 @@ from ampnb.watch.records import StepRecord
 
 try:  # the unified package first; the standalone one where only that is installed
     import lightning.pytorch as pl
-except ImportError:  # pragma: no cover - depends on what is installed
+except ImportError:
     try:
         import pytorch_lightning as pl
     except ImportError:
@@ -46,9 +46,9 @@ class PrecisionMonitor(pl.Callback):
         self._attached = False
 
     @property
-    def records(self) -> list[StepRecord]:
+    def records(self) -> tuple[StepRecord, ...]:
         """The records of the last fit (empty before one)."""
-        return [] if self.watch is None else self.watch.records
+        return () if self.watch is None else self.watch.records
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # after the sanity check, so its validation forwards are not counted as a step's
@@ -71,9 +71,9 @@ class PrecisionMonitor(pl.Callback):
             self.watch.on_record(self._pending.append)  # logged at the batch's end, below
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        if not self._attached:
-            return
-        # Lightning hands the loss divided by accumulate_grad_batches and, under a scaler, scaled
+        if not self._attached or trainer.accumulate_grad_batches == 1:
+            return  # the watch takes the backward's root itself, unscaled, without a device sync
+        # the root is the loss divided by accumulate_grad_batches (and, under a scaler, scaled)
         scaler = precision_scaler(trainer)
         scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
         self.watch.log_loss(loss.detach().float() / scale * trainer.accumulate_grad_batches)

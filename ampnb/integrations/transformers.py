@@ -22,8 +22,8 @@ def _runs_fp32_for_fp16(trainer: Any) -> bool:
     acc = trainer.accelerator
     own_autocast = type(trainer).autocast_smart_context_manager is not \
         Trainer.autocast_smart_context_manager  # a subclass may enter autocast itself
-    return (bool(trainer.args.fp16) and not getattr(acc, "native_amp", True)
-            and acc.scaler is None and not own_autocast)
+    return (bool(trainer.args.fp16) and acc.device.type == "cpu"
+            and not getattr(acc, "native_amp", True) and acc.scaler is None and not own_autocast)
 
 
 class PrecisionMonitorCallback(TrainerCallback):
@@ -51,13 +51,12 @@ class PrecisionMonitorCallback(TrainerCallback):
         self.log = log
         self.watch: Any = None
         self._pending: list[StepRecord] = []
-        self._first_step = 0
         self._loss_hook: Any = None
 
     @property
-    def records(self) -> list[StepRecord]:
+    def records(self) -> tuple[StepRecord, ...]:
         """The records of the last train() (empty before one)."""
-        return [] if self.watch is None else self.watch.records
+        return () if self.watch is None else self.watch.records
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from ampnb.watch.core import watch
@@ -71,7 +70,6 @@ class PrecisionMonitorCallback(TrainerCallback):
         model = trainer.model if model is None else model  # (a Module's truth is its length)
         optimizer = trainer.optimizer if optimizer is None else optimizer
         self._pending = []
-        self._first_step = state.global_step
         self.watch = watch(model, optimizer, trainer.accelerator.scaler, every=self.every,
                            log_dir=self.log_dir, keep_overflow=self.keep_overflow)
         # the Trainer's backward gets the loss divided for accumulation: the model's own is exact
