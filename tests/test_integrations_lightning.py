@@ -103,9 +103,10 @@ def _data(marked: int | None = None) -> torch.utils.data.DataLoader:
 
 
 def _fit(net: pl.LightningModule, callbacks: list, logger=False, precision: str = "16-mixed",
-         data: torch.utils.data.DataLoader | None = None, init_scale: float = 2.0**16):
+         data: torch.utils.data.DataLoader | None = None, init_scale: float = 2.0**16,
+         scaler: torch.amp.GradScaler | None = None):
     pl.seed_everything(0, verbose=False)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scaler = scaler or torch.amp.GradScaler("cpu", init_scale=init_scale)
     plugins = [MixedPrecision(precision, "cpu", scaler)] if precision == "16-mixed" else []
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", plugins=plugins,
                          precision=None if plugins else precision, callbacks=callbacks,
@@ -268,12 +269,20 @@ def test_an_exception_in_training_closes_the_watch_and_keeps_its_records():
                 raise ValueError("user's bug")
             return super().training_step(batch, batch_idx)
 
+    class Optimizer(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.opt = trainer.optimizers[0]
+
     torch.manual_seed(0)
-    net, monitor = Fails(), PrecisionMonitor()
+    net, monitor, seen = Fails(), PrecisionMonitor(), Optimizer()
+    scaler = torch.amp.GradScaler("cpu")
     with pytest.raises(ValueError, match="user's bug"):
-        _fit(net, [monitor])
+        _fit(net, [monitor, seen], scaler=scaler)
     assert len(monitor.records) == 2
+    # every hook removed, the scaler's methods its class's own again
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    assert not seen.opt._optimizer_step_pre_hooks and not seen.opt._optimizer_step_post_hooks
+    assert "update" not in vars(scaler) and "scale" not in vars(scaler)
 
 
 @pytest.mark.parametrize(("kwargs", "says"), [

@@ -202,6 +202,24 @@ def test_micro_batches_of_gradient_accumulation_belong_to_their_step(tmp_path):
     assert [r.loss for r in monitor.records] == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_train_that_raises_leaves_no_hook_once_the_callback_closes(tmp_path):
+    model = _model()
+
+    def fail(module, args, out):
+        if module.training and torch.is_grad_enabled() and len(monitor.records) == K:
+            raise RuntimeError("user's bug")
+
+    model.transformer.h[0].register_forward_hook(fail)
+    trainer = _trainer(model, tmp_path, cls=Fp16AutocastTrainer)
+    # the Trainer has no exception event for callbacks: `with` closes the watch
+    with PrecisionMonitorCallback(trainer) as monitor, pytest.raises(RuntimeError, match="user"):
+        trainer.add_callback(monitor)
+        _train(trainer)
+    assert len(monitor.records) == K
+    assert all(list(m._forward_hooks.values()) in ([], [fail]) for m in model.modules())
+    assert not trainer.optimizer.optimizer._optimizer_step_post_hooks
+
+
 def test_bad_arguments_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="trainer=str is not allowed") as e:
         PrecisionMonitorCallback("trainer")
