@@ -25,8 +25,8 @@ import torch
 MARK = "RESULT "
 KINDS = ("train", "doctor")
 TRAIN_STEPS = 5  # timed, after one warm-up step that creates the optimizer's state
-# Where a report may say what did not fit its time budget (issue #25), read if present.
-_NOT_FIT = ("not_fitted", "did_not_fit", "over_budget", "unfinished")
+# Where a report says what did not fit its time budget and what it spent (issue #25), if it does.
+_NOT_FIT, _BUDGET = "left_out", "budget"
 
 
 def _tiny() -> tuple:
@@ -78,6 +78,7 @@ class Measurement:
     step_cpu_seconds: float = 0.0  # doctor: the same in process CPU time
     headline: str = ""    # the doctor's recommendation
     not_fit: str = ""     # what the doctor's report says did not fit its budget
+    budget: str = ""      # the report's line on its budget and what it spent
     most_time: str = ""   # the doctor's three longest stages
 
 
@@ -141,12 +142,10 @@ class _Phases:
         return ", ".join(f"{k} {v:.1f} s" for k, v in ranked)
 
 
-def _not_fit(report: Any) -> str:
-    for name in _NOT_FIT:
-        found = getattr(report, name, None)
-        if found:
-            return found if isinstance(found, str) else "; ".join(map(str, found))
-    return ""
+def _said(report: Any, name: str) -> str:
+    """A report's field as one line ("" where this version of the doctor has none)."""
+    found = getattr(report, name, None) or ""
+    return found if isinstance(found, str) else "; ".join(map(str, found))
 
 
 def _plain_steps(model: Any, batch: Any, optimizer: Any, loss_fn: Any) -> tuple[float, float]:
@@ -182,7 +181,8 @@ def child(kind: str, model_name: str, threads: int) -> Measurement:
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     return Measurement(**base, seconds=seconds, cpu_seconds=cpu, peak_mib=_peak_mib(),
                        step_seconds=step, step_cpu_seconds=step_cpu,
-                       headline=report.recommended.headline, not_fit=_not_fit(report),
+                       headline=report.recommended.headline, not_fit=_said(report, _NOT_FIT),
+                       budget=_said(report, _BUDGET),
                        most_time=phases.top())
 
 

@@ -33,7 +33,9 @@ def doctor_rows(label: str, train: Measurement, doc: Measurement) -> list[Result
     steps = doc.seconds / doc.step_seconds
     cpu_steps = doc.cpu_seconds / doc.step_cpu_seconds
     memory = doc.peak_mib / train.peak_mib
-    said = f"; recommended {doc.headline}" + (f"; did not fit: {doc.not_fit}" if doc.not_fit else "")
+    said = "".join([f"; recommended {doc.headline}",
+                    f"; did not fit: {doc.not_fit}" if doc.not_fit else "",
+                    f"; {doc.budget}" if doc.budget else ""])
     return [
         Result(f"doctor time on {where}",
                f"{doc.seconds:.1f} s = {steps:.1f} plain steps (plain step {doc.step_seconds:.3f} s"

@@ -7,17 +7,19 @@ import os
 import subprocess
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from benchmarks._procs import MARK, Measurement, command, parse
+from benchmarks._procs import MARK, Measurement, _said, command, parse
 from benchmarks.bench_doctor import MEMORY_GOAL, STEPS_GOAL, doctor_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = Measurement("train", "gpt2-17M", 1, 16_840_704, 0.38, 0.37, 780.0)
 DOCTOR = Measurement("doctor", "gpt2-17M", 1, 16_840_704, 16.0, 15.0, 3060.0, step_seconds=0.4,
                      step_cpu_seconds=0.36, headline="bf16-mixed",
-                     not_fit="bf16-true multi-step check", most_time="timing 1.0 s")
+                     not_fit="bf16-true multi-step check", budget="budget 15 steps, spent 15",
+                     most_time="timing 1.0 s")
 
 
 def _run_child(kind: str, threads: int) -> tuple[Measurement, float]:
@@ -51,11 +53,18 @@ def test_rows_judge_the_ratios_of_the_two_processes():
     assert time_row.ok is (DOCTOR.seconds / DOCTOR.step_seconds <= STEPS_GOAL)
     assert memory_row.ok is (DOCTOR.peak_mib / TRAIN.peak_mib <= MEMORY_GOAL)
     assert "1 thread" in time_row.name and "16.8M params" in time_row.name
-    assert DOCTOR.not_fit in time_row.figure and DOCTOR.headline in time_row.figure
+    assert all(said in time_row.figure for said in (DOCTOR.not_fit, DOCTOR.headline, DOCTOR.budget))
     assert f"CPU time {DOCTOR.cpu_seconds / DOCTOR.step_cpu_seconds:.1f} steps" in time_row.figure
     fits = doctor_rows("GPT-2 17M", TRAIN, replace(DOCTOR, seconds=DOCTOR.step_seconds * STEPS_GOAL,
                                                    peak_mib=TRAIN.peak_mib, not_fit=""))
     assert [r.ok for r in fits] == [True, True] and "did not fit" not in fits[0].figure
+
+
+def test_report_fields_read_as_one_line_or_nothing():
+    report = SimpleNamespace(left_out=("16-true check", "islands"), budget="15 steps")
+    assert _said(report, "left_out") == "16-true check; islands"
+    assert _said(report, "budget") == "15 steps"
+    assert _said(SimpleNamespace(), "left_out") == ""  # a doctor without a budget yet
 
 
 def test_rows_refuse_measurements_of_different_set_ups():
