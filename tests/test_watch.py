@@ -278,3 +278,36 @@ def test_ampnb_watch_is_callable_however_it_was_reached():
     with ampnb.watch(m, opt) as w:
         pass
     assert isinstance(w, ampnb.watch.Watch)
+
+
+def test_a_backward_overflow_names_the_module_the_hunter_names_on_stats_steps():
+    """Tiny activations into `b`, whose huge weights overflow fp16 gradients in backward only:
+    on a stats step the watch names the module whose backward made the inf, as the hunter does;
+    between stats steps it still says the step went non-finite in backward."""
+    from doctor_models import BackwardOverflow
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+
+    def step(m, scale):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = m(x).float().pow(2).mean()
+        (loss * scale).backward()
+
+    m = BackwardOverflow()
+    hunted = ampnb.find_nonfinite(step, m, 2.0**16)
+    m = BackwardOverflow()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with ampnb.watch(m, opt, scaler, every=2) as w:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    first, second = w.records
+    assert hunted.phase == "backward"
+    assert first.skipped and (first.first_module, first.first_phase) == (hunted.module,
+                                                                          "backward")
+    assert second.skipped and second.nonfinite and second.first_phase == "backward"

@@ -24,7 +24,7 @@ from ampnb._tree import map_tensors
 from ampnb.start import param_dtype
 from ampnb.step import _engine_in, _engine_out
 from ampnb.watch import inputs, overflow
-from ampnb.watch.hooks import Hook, StepState, module_names
+from ampnb.watch.hooks import Hook, StepState, all_finite, module_names, probe
 from ampnb.watch.records import LayerStats, StepRecord, log_path, write
 
 _NARROW = (torch.float16, torch.bfloat16)
@@ -47,9 +47,8 @@ def _tensorboard(log_dir: Any) -> Any:
 
 
 def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
-    flags = [torch.isfinite(p.grad).all() for g in optimizer.param_groups for p in g["params"]
-             if p.grad is not None]
-    return bool(torch.stack(flags).all()) if flags else True
+    return all_finite([probe(p.grad) for g in optimizer.param_groups for p in g["params"]
+                       if p.grad is not None])
 
 
 def _lost_updates(before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:
@@ -211,19 +210,24 @@ class Watch:
     def _on_output(self, i: int, module: nn.Module, args: Any, out: Any) -> None:
         if torch.is_grad_enabled():
             s = self._current()
-            s.on_output(i, s.stats and i in self._stat_set, out)
+            s.on_output(i, s.stats and i in self._stat_set, args, out)
 
     def _engine(self, run: Callable[..., Any], thread: int) -> Callable[..., Any]:
         def backward(roots: Any, *args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841 - the user's frames are what matter
-            if threading.get_ident() == thread and kwargs.get("accumulate_grad", True):
-                self._on_backward(roots)
-            return run(roots, *args, **kwargs)
+            if threading.get_ident() != thread or not kwargs.get("accumulate_grad", True):
+                return run(roots, *args, **kwargs)
+            s = self._on_backward(roots)
+            out = run(roots, *args, **kwargs)
+            if s is not None:
+                s.after_backward([r for r in roots if isinstance(r, torch.Tensor)
+                                  and r.is_floating_point()])
+            return out
         return backward
 
-    def _on_backward(self, roots: Any) -> None:
+    def _on_backward(self, roots: Any) -> StepState | None:
         if not self._fresh:  # another model's backward (a copy, a GAN's other half)
-            return
+            return None
         self._fresh = False
         s = self._current()
         s.micro_batches += 1
@@ -232,6 +236,7 @@ class Watch:
         for r in roots:
             if isinstance(r, torch.Tensor) and r.numel() == 1 and r.is_floating_point():
                 s.losses.append((r.detach(), id(r) in self._scaled))
+        return s
 
     def _scale(self, scale: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(outputs: Any) -> Any:
@@ -276,7 +281,7 @@ class Watch:
         if self._scaler is None:
             s.grads_finite = _grads_finite(optimizer)
             if self.keep_overflow is not None and self.overflow_file is None and not (
-                    s.grads_finite and s.flags_finite() and math.isfinite(s.loss(None))):
+                    s.grads_finite and s.first is None and math.isfinite(s.loss(None))):
                 self._keep(s, None)  # before the update changes the weights
         if self._true_mode and s.stats:
             s.before = [(p, p.detach().clone(), (p.grad != 0) & torch.isfinite(p.grad))
@@ -301,17 +306,18 @@ class Watch:
         self._scaled.clear()
         loss = s.loss(scale)
         grads_ok = s.grads_finite if s.grads_finite is not None else True
-        nonfinite = skipped or not grads_ok or not math.isfinite(loss) or not s.flags_finite()
-        first, phase = s.first_nonfinite() if nonfinite else (None, "")
-        if nonfinite and first is None:
-            first, phase = self._nonfinite_grads(), "backward"
+        nonfinite = skipped or not grads_ok or not math.isfinite(loss) or s.first is not None
+        first, phase = s.first if s.first is not None else (None, "")
+        if nonfinite and s.first is None:  # finite forward: it went non-finite in backward
+            first = s.first_backward()
+            first, phase = (first if first is not None else self._nonfinite_grads()), "backward"
         lost = _lost_updates(s.before) if s.before is not None else None
         now = time.perf_counter()
         record = StepRecord(
             step=len(self._records), rank=self.rank or 0, micro_batches=s.micro_batches,
             loss=loss, scale=scale, skipped=skipped, nonfinite=nonfinite,
             first_module=self.names[first] if first is not None else "",
-            first_phase=phase if first is not None else "", lost_updates=lost,
+            first_phase=phase if nonfinite else "", lost_updates=lost,
             seconds=now - s.t0, time=time.time(),
             layers=self._layers(s, scale) if s.stats else ())
         self._records.append(record)
@@ -329,20 +335,26 @@ class Watch:
         for i in self._stats:
             gs = [p.grad for p in self._modules[i].parameters(recurse=False)
                   if p.grad is not None]
-            if gs and not bool(torch.stack([torch.isfinite(g).all() for g in gs]).all()):
+            if gs and not all_finite([probe(g) for g in gs]):
                 found = i
         return found
 
     def _layers(self, s: StepState, scale: float | None) -> tuple[LayerStats, ...]:
-        scaled = scale if scale else 1.0
-        nan = torch.tensor(math.nan)
         keys = [i for i in self._stats if i in s.act or i in s.act_grad or i in s.grad]
         if not keys:
             return ()
-        act = torch.stack([s.act.get(i, nan).cpu() for i in keys]).tolist()
-        act_grad = torch.stack([s.act_grad.get(i, nan).cpu() for i in keys]).tolist()
+        nan = torch.tensor(math.nan)
+        none = torch.tensor([0, 0])
+
+        def column(d: dict[int, torch.Tensor], empty: torch.Tensor) -> list:
+            return torch.stack([d.get(i, empty).cpu().to(empty.dtype) for i in keys]).tolist()
+        act, act_grad = column(s.act, nan), column(s.act_grad, nan)
+        grad, flush = column(s.grad, nan), column(s.flush, none)
+        scaled = scale if scale else 1.0
         return tuple(LayerStats(self.names[i], act[k], act_grad[k] / scaled,
-                                s.grad.get(i, math.nan), s.flush.get(i, math.nan))
+                                grad[k] / s.divisor if i in s.grad else math.nan,
+                                (flush[k][0] / flush[k][1] if flush[k][1] else 0.0)
+                                if i in s.flush else math.nan)
                      for k, i in enumerate(keys))
 
 

@@ -1,9 +1,14 @@
 """The watch's module and tensor hooks, and what one optimizer step collects through them.
 
-A healthy step stays cheap: each module output gives one 0-dim `isfinite(...).all()` tensor in
-forward and one for its gradient in backward (no `.item()`, so no device sync); one `stack`
-at the step's end decides, and only a non-finite step looks for the first False. Ranges (amax)
-are taken only on stats steps, also as 0-dim tensors turned into floats once at the end.
+A healthy step stays cheap: a module's forward hook only keeps a detached reference to its
+output, for the current micro-batch; when that micro-batch's backward ends, one probe of its
+loss (a sync) says whether anything is to be looked for, and only then are the kept outputs
+probed, in the order the modules finished, to name the first non-finite one. The references are
+dropped at every backward's end. In backward, the module named is the one whose backward first
+made a non-finite gradient of its input (probed on stats steps only); on other steps, the last
+module in forward order whose own parameter gradients hold inf/NaN (an estimate: the replay
+names the op). Ranges (amax) are taken on stats steps only, as 0-dim tensors turned into floats
+once at the step's end.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import torch
 from torch import nn
 
 from ampnb._tree import tensors
-from ampnb.diagnosis.evidence import underflow
+from ampnb.formats import get_format
+
+# |x| at or below half fp16's smallest subnormal rounds to 0 (the tie goes to even: 0)
+FP16_FLUSH = get_format("fp16").smallest_subnormal / 2
 
 
 class Gone:
@@ -49,9 +57,45 @@ def strip_gone(model: nn.Module) -> None:
                 del hooks[k]
 
 
+def probe(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim tensor that is finite exactly when every element of t is: its sum, accumulated
+    where no sum of finite values can overflow (fp16 in fp32, wider formats in fp64). One
+    reduction, several times cheaper than `isfinite(t).all()` on CPU."""
+    return t.sum(dtype=torch.float32 if t.dtype == torch.float16 else torch.float64)
+
+
+def finite(probes: list[torch.Tensor]) -> list[bool]:
+    """Which probes are finite (one stack and one sync per dtype)."""
+    ok = [True] * len(probes)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for k, p in enumerate(probes):
+        by_dtype.setdefault(p.dtype, []).append(k)
+    for ks in by_dtype.values():
+        for k, v in zip(ks, torch.stack([probes[k] for k in ks]).isfinite().tolist()):
+            ok[k] = v
+    return ok
+
+
+def all_finite(probes: list[torch.Tensor]) -> bool:
+    """Every probe is finite (one sync per dtype)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in probes:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    return all(bool(torch.stack(ps).isfinite().all()) for ps in by_dtype.values())
+
+
 def finite_amax(t: torch.Tensor) -> torch.Tensor:
-    """Largest finite |t| as a 0-dim float32 tensor (0 when none); no sync."""
-    return torch.where(torch.isfinite(t), t.abs(), 0).amax().float()
+    """Largest finite |t| as a 0-dim float32 tensor (0 when none); no sync. nan_to_num, not
+    where(isfinite): several times faster on CPU."""
+    return t.abs().nan_to_num(0.0, 0.0).amax().float()
+
+
+def flush_counts(g: torch.Tensor, divisor: float) -> torch.Tensor:
+    """[nonzero values of g / divisor that fp16 rounds to 0, nonzero values] (int64, no sync)."""
+    a = g.abs()
+    nonzero = torch.count_nonzero(a)
+    at_most = torch.count_nonzero(a <= FP16_FLUSH * divisor)  # zeros included
+    return torch.stack([at_most - (a.numel() - nonzero), nonzero])
 
 
 def float_outputs(out: Any) -> list[torch.Tensor]:
@@ -85,49 +129,68 @@ class StepState:
         self.micro_batches = 0
         self.losses: list[tuple[torch.Tensor, bool]] = []  # (root, scaled by the loss scale)
         self.explicit: list[float] = []                    # losses given to log_loss()
-        self.forward: list[tuple[int, torch.Tensor]] = []  # (module, output finite), call order
-        self.backward: list[tuple[int, torch.Tensor]] = []  # (module, output grad finite)
+        self.outputs: list[tuple[int, torch.Tensor]] = []  # this micro-batch's, finish order
+        self.first: tuple[int | None, str] | None = None   # first non-finite (module, phase)
+        self.backward: list[tuple[int, torch.Tensor]] = []  # stats steps: input grad probes
         self.act: dict[int, torch.Tensor] = {}
         self.act_grad: dict[int, torch.Tensor] = {}        # scaled where the loss was
-        self.grad: dict[int, float] = {}
-        self.flush: dict[int, float] = {}
+        self.grad: dict[int, torch.Tensor] = {}   # amax of the grads as read (/ divisor)
+        self.flush: dict[int, torch.Tensor] = {}  # [flushed, nonzero]
+        self.divisor = 1.0
         self.grads_read = False
         self.grads_finite: bool | None = None
         self.inputs: list[tuple[tuple, dict]] = []        # keep_overflow: this step's batches
         self.rng: dict[str, Any] | None = None
         self.autocast: list[tuple[str, torch.dtype]] = []
-        self.before: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # true modes
+        self.before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     # ----- hooks ---------------------------------------------------------------------------
 
-    def on_output(self, i: int, stats: bool, out: Any) -> None:
-        """A module's forward ended: note whether its outputs are finite; ranges on stats steps."""
+    def on_output(self, i: int, stats: bool, args: Any, out: Any) -> None:
+        """A module's forward ended: keep its outputs until the backward; on stats steps, its
+        output ranges and hooks on the gradients of its output and inputs."""
         for t in float_outputs(out):
             d = t.detach()
-            self.forward.append((i, torch.isfinite(d).all()))
+            self.outputs.append((i, d))
             if stats:
                 _maxed(self.act, i, finite_amax(d))
-            if t.requires_grad:
-                t.register_hook(Hook(self.on_grad, i, stats))
+                if t.requires_grad:
+                    t.register_hook(Hook(self.on_grad, i))
+        if self.stats:  # healthy steps skip backward hooks: cheaper
+            for t in float_outputs(args):
+                if t.requires_grad:
+                    t.register_hook(Hook(self.on_input_grad, i))
 
-    def on_grad(self, i: int, stats: bool, g: torch.Tensor) -> None:
-        """The gradient of a module's output: finite or not; its range on stats steps."""
-        self.backward.append((i, torch.isfinite(g).all()))
-        if stats:
-            _maxed(self.act_grad, i, finite_amax(g))
+    def on_grad(self, i: int, g: torch.Tensor) -> None:
+        """The gradient of a module's output (stats steps): its range."""
+        _maxed(self.act_grad, i, finite_amax(g))
+
+    def on_input_grad(self, i: int, g: torch.Tensor) -> None:
+        """The gradient of a module's input, which its backward made (stats steps): a probe."""
+        self.backward.append((i, probe(g)))
+
+    def after_backward(self, roots: list[torch.Tensor]) -> None:
+        """A micro-batch's backward ended: if its loss is non-finite, the first non-finite
+        module output names where (none: the loss itself); the outputs are dropped."""
+        outputs, self.outputs = self.outputs, []
+        if self.first is not None or not roots or all_finite([probe(r) for r in roots]):
+            return
+        ok = finite([probe(t) for _, t in outputs])
+        bad = next((k for k, v in enumerate(ok) if not v), None)
+        self.first = (outputs[bad][0] if bad is not None else None, "forward")
 
     def read_grads(self, modules: list[nn.Module], stats: list[int], divisor: float) -> None:
-        """Parameter-gradient amax and fp16 flush share per stats module (grads / divisor)."""
+        """Parameter-gradient amax and fp16 flush counts per stats module (grads / divisor)."""
         self.grads_read = True
         if not self.stats:
             return
+        self.divisor = divisor
         for i in stats:
-            gs = [p.grad for p in modules[i].parameters(recurse=False) if p.grad is not None]
-            if not gs:
-                continue
-            amax = torch.stack([finite_amax(g) for g in gs]).max()
-            self.grad[i] = float(amax) / divisor
-            self.flush[i] = underflow({str(k): g for k, g in enumerate(gs)}, 1.0 / divisor)
+            gs = [p.grad.detach() for p in modules[i].parameters(recurse=False)
+                  if p.grad is not None]
+            if gs:
+                self.grad[i] = torch.stack([finite_amax(g) for g in gs]).amax()
+                self.flush[i] = torch.stack([flush_counts(g, divisor) for g in gs]).sum(0)
 
     def loss(self, scale: float | None) -> float:
         """Mean unscaled loss of the micro-batches (nan when none was seen)."""
@@ -139,17 +202,10 @@ class StepState:
         return sum(v / scale if scaled and scale else v
                    for v, (_, scaled) in zip(values, self.losses)) / len(values)
 
-    def flags_finite(self) -> bool:
-        """Every module output and output gradient of the step was finite (one sync)."""
-        flags = [f for _, f in self.forward] + [f for _, f in self.backward]
-        return bool(torch.stack(flags).all()) if flags else True
-
-    def first_nonfinite(self) -> tuple[int | None, str]:
-        """(module index, 'forward' | 'backward') of the first non-finite output or gradient."""
-        for phase, flags in (("forward", self.forward), ("backward", self.backward)):
-            if flags:
-                ok = torch.stack([f for _, f in flags]).tolist()
-                bad = next((k for k, v in enumerate(ok) if not v), None)
-                if bad is not None:
-                    return flags[bad][0], phase
-        return None, ""
+    def first_backward(self) -> int | None:
+        """Stats steps: the module whose backward first made a non-finite input gradient."""
+        if not self.backward:
+            return None
+        ok = finite([f for _, f in self.backward])
+        bad = next((k for k, v in enumerate(ok) if not v), None)
+        return self.backward[bad][0] if bad is not None else None
