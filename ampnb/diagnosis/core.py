@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import sys
@@ -36,7 +37,13 @@ from ampnb.diagnosis.run import (
     measure,
     time_steps,
 )
-from ampnb.diagnosis.training import TRAIN_STEPS, TrainCheck, reference_check, train_check
+from ampnb.diagnosis.training import (
+    TRAIN_STEPS,
+    TrainCheck,
+    inference_check,
+    reference_check,
+    train_check,
+)
 from ampnb.formats import get_format
 from ampnb.modes import get_mode
 from ampnb.start import set_aside, started
@@ -164,6 +171,8 @@ class DoctorOptions:
     progress: Callable[[str], None] | None = None
     budget: Any = None   # None: 15 plain training steps; seconds; 'N steps'; math.inf
     train: bool = True   # False: the model is for inference (one forward decides)
+    batches: Any = None  # the multi-step check's batches (cycled); None: the batch, repeated
+    scheduler: Any = None  # the user's LR scheduler: the multi-step check runs at its peak
 
 
 def doctor(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = None, *,
@@ -171,7 +180,7 @@ def doctor(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = No
            modes: Iterable[str] | str | None = None, tolerance: Any = None, repeat: int = 3,
            profile: bool = True, seed: int = 0,
            progress: Callable[[str], None] | None = None, budget: Any = None,
-           train: bool = True) -> DoctorReport:
+           train: bool = True, batches: Any = None, scheduler: Any = None) -> DoctorReport:
     """Run one step of the model in every candidate mode and recommend one, with evidence and code.
 
     The user's model, optimizer and torch's global state are left as they were: every run
@@ -180,7 +189,7 @@ def doctor(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = No
     time); the report lists what did not fit.
     """
     options = DoctorOptions(optimizer, device, modes, tolerance, repeat, profile, seed, progress,
-                            budget, train)
+                            budget, train, batches, scheduler)
     return doctor_setup(model, options, batch=batch, loss_fn=loss_fn)
 
 
@@ -193,6 +202,14 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     _check_options(loss_fn, o.device, o.modes, o.seed, o.progress)
     tol = Tolerance.of(o.tolerance)
     budget = Budget.of(o.budget)
+    if o.scheduler is not None and (o.optimizer is None or
+                                    getattr(o.scheduler, "optimizer", None) is not o.optimizer):
+        raise ValueError(f"scheduler={type(o.scheduler).__name__} is not allowed; allowed: an LR "
+                         "scheduler built on the optimizer= given to the doctor, or None")
+    if o.batches is not None and (step is not None or isinstance(o.batches, (str, bytes)) or
+                                  not isinstance(o.batches, Iterable)):
+        raise ValueError(f"batches={type(o.batches).__name__} is not allowed; allowed: a list of "
+                         "batches for the multi-step check (not with a cell's code), or None")
     if not isinstance(o.train, bool):
         raise ValueError(f"train={o.train!r} is not allowed; allowed: True (a training step) or "
                          "False (inference: one forward)")
@@ -200,12 +217,13 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     cands, skipped = candidates(o.modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     say = o.progress or Progress()
+    clock = Clock(budget)  # from here: the snapshot and its disk writes count too
     with Guard(_save, _restore), tempfile.TemporaryDirectory(prefix="ampnb-doctor-") as scratch, \
             started(model, o.optimizer, os.path.join(scratch, "start.pt")) as start, \
             set_aside(start, o.optimizer, os.path.join(scratch, "grads.pt")):
         setup = Setup(start, data, loss_fn, dev, o.seed, step, scratch)
-        return _diagnose(setup, cands, skipped, tol, o.repeat, o.profile, say, Clock(budget),
-                         o.train)
+        return _diagnose(setup, cands, skipped, tol, o.repeat, o.profile, say, clock,
+                         o.train, o.batches, o.scheduler)
 
 
 def _plain_step(setup: Setup, ref: Candidate, say: Callable[[str], None]) -> float:
@@ -222,13 +240,15 @@ def _cost(run: StepResult, ref: StepResult, plain: float) -> float:
 
 def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tolerance,
               repeat: int, profile: bool, say: Callable[[str], None], clock: Clock,
-              train: bool = True) -> DoctorReport:
+              train: bool = True, batches: Any = None, scheduler: Any = None) -> DoctorReport:
     clock.plain = _plain_step(setup, cands[0], say)
     n = len(cands)
     mixed = [c for c in cands[1:] if keeps_model(c) or c.mode.is_mixed]
     true = [c for c in cands[1:] if c not in mixed]
     say(f"{REFERENCE} (1/{n}): reference step")
+    t0 = time.perf_counter()
     ref = measure(setup, cands[0], reference=True)
+    ref_wall = time.perf_counter() - t0
     if not ref.finite:
         where = f" ({ref.nonfinite.message})" if ref.nonfinite else ""
         raise ValueError(f"the {REFERENCE} step itself produced inf/NaN{where}; the doctor "
@@ -238,7 +258,9 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
 
     def run(cand: Candidate) -> None:
         i = cands.index(cand)
-        if not clock.fits(ref.seconds, f"{cand.name}: its step"):
+        # a mode's instrumented step costs about the reference's, more when emulated or slow
+        guess = ref_wall * (1.0 if cand.native else 1.5)
+        if not clock.fits(guess, f"{cand.name}: its step"):
             return
         say(f"{cand.name} ({i + 1}/{n}): {cand.how}")
         try:
@@ -251,9 +273,12 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
 
     # native mixed modes first: the likely answers; emulated ones (a speed that says nothing
     # about this machine) after them
-    for cand in sorted(mixed, key=lambda c: c.label == "emulated"):
+    for cand in [c for c in mixed if c.label != "emulated"]:
         run(cand)
+    # timed before the emulated modes: their speed here says nothing about this machine
     times = _time(setup, [c for c in ran if c.label != "emulated"], runs, ref, repeat, clock, say)
+    for cand in [c for c in mixed if c.label == "emulated"]:
+        run(cand)
     narrow = (get_format(c.mode.compute_dtype).name for c in ran)
     formats = tuple(dict.fromkeys(("fp16", *(f for f in narrow if f not in ("fp32", "fp64")))))
     rows: list[ModeRow] = [mode_row(c, runs[c.name], ref, times.get(c.name),
@@ -277,9 +302,9 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
             return mode_row(cand, found[keep], ref, None, None, keep)
 
         each = max(runs[cand.name].seconds, 1e-3)
-        reruns = max(0, int(clock.left // each))
+        reruns = None if math.isinf(clock.left) else max(0, int(clock.left // each))
         fixed = islands(row, layers, tol, rerun, max_reruns=reruns)
-        if reruns < MAX_RERUNS_SAID and fixed is None and not acceptable(row, tol.loss, tol.grad) \
+        if reruns is not None and reruns < MAX_RERUNS_SAID and fixed is None and not acceptable(row, tol.loss, tol.grad) \
                 and cand.name in ISLAND_MODES:
             clock.skip(f"fp32 islands for {cand.name}")
         if fixed is None:
@@ -314,9 +339,15 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
                              "before a true mode is recommended for training)"):
             say(f"{cand.name}: {TRAIN_STEPS} training steps beside 32-true's (lost updates)")
             if not reference:
-                reference.append(reference_check(setup))
+                reference.append(reference_check(setup, batches=batches, scheduler=scheduler))
             checks[cand.name] = train_check(setup, cand, reference=reference[0],
-                                            keep=best.keep_fp32)
+                                            keep=best.keep_fp32, batches=batches,
+                                            scheduler=scheduler)
+    if not train:  # inference: each mode that passed its step also passes one forward, or not
+        for row in rows[1:]:
+            if acceptable(row, tol.loss, tol.grad) and row.name not in checks and clock.fits(
+                    2 * clock.plain, f"{row.name}: its inference check (one forward)"):
+                checks[row.name] = inference_check(setup, by_name[row.name], row.keep_fp32)
     fp64 = _fp64_check(setup, ref) if clock.fits(3 * ref.seconds, "the fp64 check") else \
         "64-true check: did not fit the budget"
     profiles: dict[str, Profile] = {}

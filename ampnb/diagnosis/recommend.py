@@ -254,9 +254,17 @@ def _mixed_for(name: str) -> str:
 
 
 def _held(row: ModeRow, checks: Mapping[str, TrainCheck], train: bool) -> str | None:
-    """Why a true mode's row, acceptable on one step, is not recommended for training (None:
-    not held: inference, not a true mode, or its multi-step check passed)."""
-    if not train or row.name not in TRUE_MODES:
+    """Why a row acceptable on one step is not recommended: for training, a true mode without a
+    passing multi-step check; for inference, a mode whose one-forward check failed (None: held
+    by nothing)."""
+    if not train:
+        check = checks.get(row.name)
+        if check is None or tuple(check.keep_fp32) != row.keep_fp32 or check.ok():
+            return None
+        return (f"{row.label}: not recommended for inference: one forward gives output error "
+                f"{check.output.rel:.1e}, loss error {check.loss_error:.1e}"
+                f"{'' if check.finite else ', inf/NaN'}")
+    if row.name not in TRUE_MODES:
         return None
     check = checks.get(row.name)
     instead = f"; {_mixed_for(row.name)} keeps fp32 weights, so it loses none"
@@ -330,6 +338,6 @@ def _make(row: ModeRow, ref: ModeRow, rows: list[ModeRow], tol: Tolerance,
         reasons.append(_lost(row))
     check = (checks or {}).get(row.name)
     if check is not None and tuple(check.keep_fp32) == row.keep_fp32:
-        reasons.append(f"multi-step check {check.summary}")
+        reasons.append(f"{check.kind} {check.summary}")
     return Recommendation(mode, row.keep_fp32, (*reasons, *rejected), code(mode, row.keep_fp32, tf32),
                           before, row if row.keep_fp32 else None, tf32)

@@ -96,7 +96,7 @@ class DoctorReport:
         if self.budget:
             notes.append(self.budget)
         notes += [f"did not fit: {s}" for s in self.left_out]
-        notes += [f"{name} multi-step check: {c.summary}" for name, c in self.checks.items()]
+        notes += [f"{name} {c.kind}: {c.summary}" for name, c in self.checks.items()]
         if self.threads is not None:
             notes.append(self.timing)
         if any(r.seconds is None for r in self.modes):

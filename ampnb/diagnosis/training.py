@@ -160,6 +160,7 @@ class TrainCheck:
     lrs: tuple[float, ...] = ()             # the learning rate of each param group it ran at
     tolerance: float = TRAJECTORY_TOL
     seconds: float = math.nan               # its steps' wall time (and 32-true's, if run for it)
+    kind = "multi-step check"
 
     def __repr__(self) -> str:
         return f"<TrainCheck {self.mode}: {'passed' if self.ok() else 'failed'} {self.summary}>"
@@ -324,10 +325,18 @@ class InferenceCheck:
     loss_error: float
     finite: bool                # the outputs and the loss hold no inf/NaN
     seconds: float = math.nan
+    kind = "multi-step check"
+
+    kind = "inference check"
+
+    @property
+    def summary(self) -> str:
+        """One line with the figures of the forward."""
+        return (f"one forward: output error {self.output.text}, loss error "
+                f"{self.loss_error:.1e}{'' if self.finite else ', inf/NaN'}")
 
     def __repr__(self) -> str:
-        return (f"<InferenceCheck {self.mode}: output error {self.output.text}, loss error "
-                f"{self.loss_error:.1e}{'' if self.finite else ', inf/NaN'}>")
+        return f"<InferenceCheck {self.mode}: {self.summary}>"
 
     def ok(self, tol: Tolerance | None = None) -> bool:
         """Finite, loss error within tol.loss and output error within tol.grad (the doctor's

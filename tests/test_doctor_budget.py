@@ -1,0 +1,130 @@
+"""The doctor's budget (plain training steps or seconds, a stated order, what did not fit) and its
+memory (figures kept per mode, tensors dropped; comparisons stream against the reference's)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from doctor_models import Embedded, Plain, data, token_data
+from torch import nn
+
+import ampnb
+from ampnb.batch import as_batch
+from ampnb.diagnosis.budget import DEFAULT_STEPS, MIN_SECONDS, Budget
+from ampnb.diagnosis.candidates import candidates
+from ampnb.diagnosis.errors import compare
+from ampnb.diagnosis.run import Setup, measure
+from ampnb.start import started
+
+CE = nn.functional.cross_entropy
+
+
+def test_budget_spellings_and_bad_values():
+    assert Budget.of(None) == Budget(DEFAULT_STEPS, None)
+    assert Budget.of(30) == Budget(None, 30.0) and Budget.of("20 steps") == Budget(20.0, None)
+    assert Budget.of(math.inf).limit(1.0) == math.inf
+    assert Budget.of(None).limit(0.001) == MIN_SECONDS            # a toy model's step
+    assert Budget.of(None).limit(2.0) == DEFAULT_STEPS * 2.0
+    for bad in (0, -1, True, "fast", "0 steps", [15]):
+        with pytest.raises(ValueError, match="budget=.* is not allowed; allowed: a number of"):
+            Budget.of(bad)
+
+
+def test_a_budget_that_holds_only_the_reference_lists_the_rest_as_not_fitting():
+    r = ampnb.doctor(Plain(), data(), CE, budget=1e-6, profile=True)
+    assert [m.name for m in r.modes] == ["32-true"]
+    said = " ".join(r.left_out)
+    for name in ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "the fp64 check"):
+        assert name in said
+    assert r.recommended.mode == "32-true"
+    assert "not examined within the budget" in r.verdict and "budget 1e-06 s" in r.budget
+
+
+def test_a_true_mode_is_not_recommended_from_one_step_when_its_check_does_not_fit():
+    """Embedded under AdamW in bf16-true: acceptable on one step; its multi-step check does not
+    fit a budget of a few seconds' worth, so it is held, and the report says why."""
+    model = Embedded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    r = ampnb.doctor(model, token_data(), CE, optimizer=opt, modes=("32-true", "bf16-true"),
+                     tolerance=1.0, profile=False, budget=math.inf)
+    assert "bf16-true" in r.checks                                 # no limit: the check ran
+    check = r.checks["bf16-true"]
+    assert check.lost > 0.01 and check.worst[0] == "emb.weight"    # lost updates, named
+    assert r.recommended.mode != "bf16-true"
+    assert any("emb.weight" in x for x in r.recommended.reasons)
+
+
+def test_train_false_asks_one_forward_not_a_multi_step_check():
+    model = Embedded()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    r = ampnb.doctor(model, token_data(), CE, optimizer=opt, modes=("32-true", "bf16-true"),
+                     tolerance=1.0, profile=False, budget=math.inf, train=False)
+    check = r.checks["bf16-true"]
+    assert type(check).__name__ == "InferenceCheck" and check.finite
+    with pytest.raises(ValueError, match="train='yes' is not allowed"):
+        ampnb.doctor(model, token_data(), CE, train="yes")
+
+
+def test_bad_scheduler_and_batches_are_refused_before_any_work():
+    model = Plain()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    other = torch.optim.SGD(Plain().parameters(), lr=1.0)
+    with pytest.raises(ValueError, match="scheduler=StepLR is not allowed"):
+        ampnb.doctor(model, data(), CE, optimizer=opt,
+                     scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    with pytest.raises(ValueError, match="batches=int is not allowed"):
+        ampnb.doctor(model, data(), CE, optimizer=opt, batches=3)
+
+
+def _tensors(obj, seen=None) -> list[torch.Tensor]:
+    """Every tensor reachable through dicts, lists, tuples and dataclass fields."""
+    found = []
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        for v in obj.values():
+            found += _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            found += _tensors(v)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for k in obj.__dataclass_fields__:
+            found += _tensors(getattr(obj, k))
+    return found
+
+
+def test_a_candidate_keeps_figures_not_tensors_and_its_errors_match_a_direct_comparison():
+    """Nothing a mode's run keeps scales with modules x activations: no tensor survives it; its
+    per-module errors, computed as outputs stream past the reference's (on disk), are what a
+    direct comparison of the two forwards' outputs gives."""
+    model = Plain()
+    x, y = data()
+    with started(model, None) as start:
+        cands, _ = candidates(("32-true", "bf16-mixed"), "cpu")
+        setup = Setup(start, as_batch((x, y), CE), CE, "cpu")
+        ref = measure(setup, cands[0], reference=True)
+        run = measure(setup, cands[1], ref=ref)
+    assert _tensors(run) == []
+    assert set(ref.grads) == {n for n, _ in model.named_parameters()}   # on disk, read back
+    # the reference: the same forward by hand, fp32 and under bf16 autocast
+    outs = {}
+
+    def keep(name):
+        def hook(m, a, o):
+            outs.setdefault(name, o.detach().float().reshape(-1))
+        return hook
+
+    hooks = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n]
+    torch.manual_seed(0)
+    model(x)
+    want = dict(outs)
+    outs.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    for h in hooks:
+        h.remove()
+    for name in want:
+        assert run.end_to_end[name].rel == pytest.approx(compare(outs[name], want[name]).rel,
+                                                         rel=1e-9)
