@@ -3,6 +3,7 @@ what the loop itself shows (the scaler, the loss, the gradients read by hand).""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -202,6 +203,8 @@ def test_log_dir_holds_the_records_and_callbacks_get_each(tmp_path):
             opt.zero_grad()
     assert _json(w.records) == _json(got) == _json(read_log(tmp_path))  # nan != nan in ==
     assert (tmp_path / "records.jsonl").is_file()
+    if importlib.util.find_spec("tensorboard") is not None:  # the optional extra: also events
+        assert list(tmp_path.glob("events.out.tfevents*"))
     assert [bool(r.layers) for r in got] == [True, False, False, True]
 
 

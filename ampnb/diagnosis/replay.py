@@ -130,7 +130,7 @@ class Replay(TableView):
                 ("loss scale", "none" if self.scale is None else f"{self.scale:g}"),
                 ("non-finite in", where),
                 ("found", self.nonfinite.message if self.nonfinite is not None else "-")]
-        return Table(("", ""), rows, caption=f"replay of {os.fspath(self.path)}")
+        return Table(("replayed", "what"), rows, caption=f"replay of {os.fspath(self.path)}")
 
 
 def replay(path: str | os.PathLike, model: nn.Module | None = None, *,

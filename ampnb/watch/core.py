@@ -35,15 +35,14 @@ def _rank() -> int | None:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
-def _tensorboard(log_dir: Any) -> Any:
+def _tensorboard(log_dir: Any, rank: int | None) -> Any:
     """ampnb's TensorBoard writer where the tensorboard package imports, else None."""
     try:
-        import tensorboard  # noqa: F401 - an optional extra: absent, JSON lines only
-
         from ampnb.watch.tensorboard import TensorBoardWriter
-    except ImportError:
+
+        return TensorBoardWriter(log_dir, rank)
+    except ImportError:  # an optional extra: absent, the JSON lines alone
         return None
-    return TensorBoardWriter(log_dir)
 
 
 def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
@@ -83,7 +82,7 @@ class Watch:
         self.rank = _rank()
         self.overflow_file: Any = None  # the file keep_overflow wrote, once it has
         self._log = log_path(log_dir, self.rank) if log_dir is not None else None
-        self._tb = _tensorboard(log_dir) if log_dir is not None else None
+        self._tb: Any = None
         self._guard = Guard(self._attach, self._detach)
         # entered, not applied: ampnb's SIGINT handler stays until close(), so an interrupt
         # landing in the watch's own code (its hooks, close) is held until it is consistent
@@ -102,7 +101,8 @@ class Watch:
 
     def log_loss(self, loss: float | torch.Tensor) -> None:
         """Report the step's (unscaled) loss; it replaces the backward roots the watch saw."""
-        self._current().explicit.append(float(loss))
+        value = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        self._current().explicit.append(float(value))
 
     def table(self) -> Any:
         """The records as a table."""
@@ -159,6 +159,8 @@ class Watch:
                 undo.append(self._wrap(self._scaler, "update", self._update))
             previous = _engine_in(self._engine)
             undo.append(lambda: _engine_out(previous))
+            if self.log_dir is not None:
+                self._tb = _tensorboard(self.log_dir, self.rank)
         except BaseException:
             self._detach(undo)
             raise
