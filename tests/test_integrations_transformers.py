@@ -143,6 +143,41 @@ def test_a_planted_overflow_under_fp16_autocast_shows_the_loss_the_module_and_no
     assert "no scaler" in repr(records_table(records))
 
 
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_with_a_grad_scaler_as_accelerate_makes_on_cuda_the_skip_is_recorded(tmp_path, optim):
+    # Accelerate makes no GradScaler on CPU; given one (as it makes for fp16 on CUDA), its
+    # backward scales, clipping unscales and its optimizer steps through the scaler.
+    model = _model(plant=(K, 4 * get_format("fp16").max))
+    trainer = _trainer(model, tmp_path, cls=Fp16AutocastTrainer, optim=optim)
+    trainer.accelerator.scaler = scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    kept: list[bool] = []        # the truth: the step left every weight as it was
+    accelerate: list[bool] = []  # Accelerate's own word
+
+    class Skips(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.before = [p.detach().clone() for p in model.parameters()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            kept.append(all(torch.equal(a, p) for a, p in zip(self.before, model.parameters())))
+            accelerate.append(trainer.accelerator.optimizer_step_was_skipped)
+
+    logged = Logged()
+    trainer.add_callback(Skips())
+    trainer.add_callback(logged)
+    trainer.add_callback(monitor := PrecisionMonitorCallback(trainer))
+    _train(trainer)
+    records = monitor.records
+    assert kept == [s == K for s in range(STEPS)]
+    assert [r.skipped for r in records] == kept
+    if optim == "adamw_torch":  # (a fused optimizer skips inside its own step, unseen by it)
+        assert accelerate == kept
+    assert records[K].first_module == PLANTED and records[K].first_phase == "forward"
+    assert records[K + 1].scale == records[K].scale * scaler.get_backoff_factor()
+    assert records[-1].scale == scaler.get_scale()  # nothing grew since (growth_interval 2000)
+    assert [d["ampnb/scale"] for d in logged.logs if "ampnb/scale" in d] == \
+        [r.scale for r in records]
+
+
 def test_the_records_go_through_trainer_log_to_every_callback(tmp_path):
     model = _model()
     trainer = _trainer(model, tmp_path, cls=Fp16AutocastTrainer)
