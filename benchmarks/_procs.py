@@ -3,7 +3,8 @@
 `python -m benchmarks._procs train|doctor MODEL THREADS` builds MODEL, sets the torch thread
 count and prints one `RESULT {json}` line. Both run the same plain 32-true steps with the
 model's optimizer (median step time); `doctor` then runs `ampnb.doctor` with its defaults (wall
-time, the headline, what did not fit). Both report peak RSS from `getrusage` at the end.
+time, the headline, what did not fit) and times as many plain steps again after it. Both report
+peak RSS from `getrusage` at the end.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ MODELS: dict[str, Callable[[], tuple]] = {
 class Measurement:
     """What one process measured: seconds (train: median plain step; doctor: its wall time),
     the process CPU time of the same, peak RSS in MiB; a doctor process also times plain steps
-    just before the doctor, so a loaded machine slows the unit and the doctor alike."""
+    just before and just after the doctor, so a load that comes and goes shows in the unit too."""
 
     kind: str
     model: str
@@ -76,6 +77,8 @@ class Measurement:
     peak_mib: float
     step_seconds: float = 0.0      # doctor: median plain step in the same process, wall
     step_cpu_seconds: float = 0.0  # doctor: the same in process CPU time
+    step_low: float = 0.0          # doctor: the fastest and slowest of those plain steps, wall
+    step_high: float = 0.0
     headline: str = ""    # the doctor's recommendation
     not_fit: str = ""     # what the doctor's report says did not fit its budget
     budget: str = ""      # the report's line on its budget and what it spent
@@ -148,19 +151,20 @@ def _said(report: Any, name: str) -> str:
     return found if isinstance(found, str) else "; ".join(map(str, found))
 
 
-def _plain_steps(model: Any, batch: Any, optimizer: Any, loss_fn: Any) -> tuple[float, float]:
-    """Median wall and process-CPU seconds of TRAIN_STEPS plain 32-true steps, after one more."""
+def _plain_steps(model: Any, batch: Any, optimizer: Any, loss_fn: Any,
+                 n: int) -> tuple[list[float], list[float]]:
+    """Wall and process-CPU seconds of n plain 32-true steps with the model's optimizer."""
     from ampnb.batch import as_batch
     from ampnb.modes import get_mode
     from ampnb.step import train_step
 
     mode, data, wall, cpu = get_mode("32-true"), as_batch(batch, loss_fn), [], []
-    for _ in range(1 + TRAIN_STEPS):  # the first creates the optimizer's state
+    for _ in range(n):
         t0, c0 = time.perf_counter(), time.process_time()
         train_step(mode, model, optimizer, data, loss_fn)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    return statistics.median(wall[1:]), statistics.median(cpu[1:])
+    return wall, cpu
 
 
 def child(kind: str, model_name: str, threads: int) -> Measurement:
@@ -169,18 +173,24 @@ def child(kind: str, model_name: str, threads: int) -> Measurement:
     model, batch, optimizer, loss_fn = MODELS[model_name]()
     params = sum(p.numel() for p in model.parameters())
     base = dict(kind=kind, model=model_name, threads=torch.get_num_threads(), params=params)
-    # The same steps in both kinds: the doctor then starts from the state training leaves.
-    step, step_cpu = _plain_steps(model, batch, optimizer, loss_fn)
+    # The same steps in both kinds (the first creates the optimizer's state): the doctor then
+    # starts from the state training leaves.
+    _plain_steps(model, batch, optimizer, loss_fn, 1)
+    wall, cpu = _plain_steps(model, batch, optimizer, loss_fn, TRAIN_STEPS)
     if kind == "train":
-        return Measurement(**base, seconds=step, cpu_seconds=step_cpu, peak_mib=_peak_mib())
+        return Measurement(**base, seconds=statistics.median(wall),
+                           cpu_seconds=statistics.median(cpu), peak_mib=_peak_mib())
     import ampnb
 
     phases = _Phases()  # only listens: the doctor runs with its default arguments
     t0, c0 = time.perf_counter(), time.process_time()
     report = ampnb.doctor(model, batch, loss_fn, optimizer=optimizer, progress=phases)
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return Measurement(**base, seconds=seconds, cpu_seconds=cpu, peak_mib=_peak_mib(),
-                       step_seconds=step, step_cpu_seconds=step_cpu,
+    seconds, doctor_cpu = time.perf_counter() - t0, time.process_time() - c0
+    after, after_cpu = _plain_steps(model, batch, optimizer, loss_fn, TRAIN_STEPS)
+    wall, cpu = wall + after, cpu + after_cpu
+    return Measurement(**base, seconds=seconds, cpu_seconds=doctor_cpu, peak_mib=_peak_mib(),
+                       step_seconds=statistics.median(wall), step_cpu_seconds=statistics.median(cpu),
+                       step_low=min(wall), step_high=max(wall),
                        headline=report.recommended.headline, not_fit=_said(report, _NOT_FIT),
                        budget=_said(report, _BUDGET),
                        most_time=phases.top())

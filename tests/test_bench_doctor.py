@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks._procs import MARK, Measurement, _said, command, parse
-from benchmarks.bench_doctor import MEMORY_GOAL, STEPS_GOAL, doctor_rows
+from benchmarks.bench_doctor import MEMORY_GOAL, NOISY, STEPS_GOAL, doctor_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = Measurement("train", "gpt2-17M", 1, 16_840_704, 0.38, 0.37, 780.0)
 DOCTOR = Measurement("doctor", "gpt2-17M", 1, 16_840_704, 16.0, 15.0, 3060.0, step_seconds=0.4,
-                     step_cpu_seconds=0.36, headline="bf16-mixed",
+                     step_cpu_seconds=0.36, step_low=0.38, step_high=0.45, headline="bf16-mixed",
                      not_fit="bf16-true multi-step check", budget="budget 15 steps, spent 15",
                      most_time="timing 1.0 s")
 
@@ -60,6 +60,15 @@ def test_rows_judge_the_ratios_of_the_two_processes():
     assert [r.ok for r in fits] == [True, True] and "did not fit" not in fits[0].figure
 
 
+def test_a_time_row_is_not_judged_when_the_plain_steps_around_it_vary_too_much():
+    wide = replace(DOCTOR, step_low=0.3, step_high=0.3 * NOISY * 1.01)
+    time_row, memory_row = doctor_rows("GPT-2 17M", TRAIN, wide)
+    assert time_row.ok is None and "not judged" in time_row.figure
+    assert memory_row.ok is not None  # peak memory does not depend on the load
+    edge = replace(DOCTOR, step_low=0.3, step_high=0.3 * NOISY)
+    assert doctor_rows("GPT-2 17M", TRAIN, edge)[0].ok is not None
+
+
 def test_report_fields_read_as_one_line_or_nothing():
     report = SimpleNamespace(left_out=("16-true check", "islands"), budget="15 steps")
     assert _said(report, "left_out") == "16-true check; islands"
@@ -87,3 +96,4 @@ def test_child_reports_its_threads_and_the_peak_the_kernel_saw(kind, threads):
     assert got.peak_mib == pytest.approx(kernel_mib, rel=0.02)
     assert got.seconds > 0 and (got.headline != "") is (kind == "doctor")
     assert (got.step_seconds > 0) is (kind == "doctor")
+    assert got.step_low <= got.step_seconds <= got.step_high
