@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -306,3 +307,14 @@ def test_the_standalone_pytorch_lightning_is_used_when_only_it_is_installed(monk
         monkeypatch.undo()
         importlib.reload(integration)
     assert integration.pl is pl and issubclass(integration.PrecisionMonitor, pl.Callback)
+
+
+def test_importing_the_integrations_imports_no_framework():
+    code = ("import sys, ampnb.integrations as i\n"
+            "heavy = ('lightning', 'pytorch_lightning', 'transformers', 'accelerate', "
+            "'tensorboard', 'IPython', 'matplotlib')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n"
+            "i.lightning.PrecisionMonitor\n"
+            "print('lightning' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"]  # nothing until the callback is touched
