@@ -3,14 +3,15 @@
 #
 # Which precision mode should *your* model use on *this* machine? Where does it break in fp16, and
 # which layers should stay in fp32? `ampnb.doctor` answers by experiment: it runs one training step
-# of your model in every mode — on deep copies, from the same weights, batch and random seed — and
-# compares each against the fp32 step:
+# of your model in each mode — on copies, from the same weights, batch and random seed — and
+# compares each against the fp32 step, within a time budget (15 plain training steps by default):
 #
 # 1. a model that breaks in fp16 (activations past 65504, as large pretrained transformers have),
 # 2. reading the evidence: per mode, then per layer (end-to-end and local error, headroom),
 # 3. applying the recommendation: fp32 islands with `keep_fp32`, and the take-home code,
 # 4. why bf16 is (or is not) faster here: the profile,
-# 5. exercise: the doctor on a model of your choice.
+# 5. the doctor on a bigger model: its time budget and its memory,
+# 6. exercise: the doctor on a model of your choice.
 #
 # Prerequisites: 01 (formats), 02 (autocast), 03 (GradScaler). About 20 minutes. Everything runs
 # on the CPU; on a CPU without fp16 units, fp16 matrix products run as fp32 kernels rounded once to
@@ -78,7 +79,8 @@ with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
 # One call. `batch` is what the model takes, in the same forms the Workbench accepts: here
 # `(inputs, targets)` with a `loss_fn`. We keep it quick with three modes and one timed step
 # (`modes=None` runs every mode this machine has, including TF32 and FP8 emulated). The user's
-# model and optimizer are not touched: every run works on a copy.
+# model and optimizer are not touched: every run works on a copy. On a model this small a step
+# takes a millisecond, so the budget is its floor of a few seconds and everything fits.
 
 # %%
 report = ampnb.doctor(model, (ids, labels), loss_fn, optimizer=optimizer,
@@ -121,9 +123,11 @@ report.plot()
 # %% [markdown]
 # ## 3. Applying the recommendation: fp32 islands
 #
-# For each mode that failed, the doctor chose modules to keep in fp32 (the overflow site and the
-# layers past the format's max; for a run that stayed finite, layers whose local error stands out),
-# **re-ran the step** with them kept, and reports before and after:
+# For each mode that failed, the doctor chose modules to keep in fp32 — starting from the op whose
+# inf/NaN reached the loss or a gradient (for a run that stayed finite, from layers whose local
+# error stands out) — **re-ran the step** with them kept, then dropped each one whose removal kept
+# the step finite and within tolerance: what is left is the cause, not its bystanders. It reports
+# before and after:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -184,7 +188,61 @@ why = ampnb.doctor.profile_step(model, (ids, labels), loss_fn, modes=("32-true",
 why
 
 # %% [markdown]
-# ## 5. Exercise: your own model
+# ## 5. A bigger model: the budget and the memory
+#
+# On a real model every step costs, so the doctor works to a **budget**: by default 15 plain
+# training steps of time (`budget=` also takes seconds, `"40 steps"`, or `math.inf`). It times
+# one plain 32-true step first, then runs the work in a fixed order — the 32-true reference, the
+# mixed modes, their timing, fp32 islands, the true modes with their multi-step check, the fp64
+# check, profiles — and lists what did not fit. A true mode (`bf16-true`, `16-true`) is never
+# recommended for training without its multi-step check: one step cannot show the updates that a
+# bf16 weight loses at every step.
+#
+# It also works in little memory: your weights and optimizer state wait on disk, one working copy
+# runs at a time, and each module's output is compared with the fp32 one as it streams past
+# (figures kept, tensors dropped). Here a GPT of about ten million parameters (ampnb's demo,
+# made wider and deeper); the kernel's peak memory (`ru_maxrss`) is read after a few plain training
+# steps and again after the doctor.
+
+# %%
+import resource  # noqa: E402
+import time  # noqa: E402
+
+from ampnb.models import demo  # noqa: E402
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+big = demo("gpt", width=384, depth=6, n_head=6, seq_len=64, batch_size=8)
+x, y = big.batches[0]
+for i in range(3):  # plain 32-true AdamW steps; the last one timed
+    t0 = time.perf_counter()
+    big.optimizer.zero_grad()
+    big.loss_fn(big.model(x), y).backward()
+    big.optimizer.step()
+    plain = time.perf_counter() - t0
+training_peak = peak_mib()
+
+t0 = time.perf_counter()
+big_report = ampnb.doctor(big.model, (x, y), big.loss_fn, optimizer=big.optimizer)
+took = time.perf_counter() - t0
+n = sum(p.numel() for p in big.model.parameters())
+print(f"{n / 1e6:.1f}M parameters; a plain step {plain:.2f} s; the doctor {took:.1f} s "
+      f"= {took / plain:.0f} plain steps")
+print(f"kernel peak memory: {training_peak:.0f} MiB after training, {peak_mib():.0f} MiB after "
+      f"the doctor")
+print(big_report.budget)
+print("recommended:", big_report.recommended.headline)
+for line in big_report.left_out:
+    print("did not fit:", line)
+
+# %% [markdown]
+# `make bench` measures the same on GPT-2 configs of 5M and 17M parameters, each in its own
+# process against a process that only trains (see `benchmarks/RESULTS.md`).
+#
+# ## 6. Exercise: your own model
 #
 # Run the doctor on a model of your choice: one of ampnb's demos (`ampnb.models.demo("cnn")`), a
 # `transformers` model built from a config (`GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64))`
