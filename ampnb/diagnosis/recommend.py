@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from ampnb.diagnosis.evidence import ModeRow, acceptable
 from ampnb.diagnosis.layers import LayerRow
+from ampnb.diagnosis.tolerance import Tolerance  # noqa: F401 - part of this module's API
 from ampnb.diagnosis.weights import narrow
 from ampnb.display import format_bytes
 from ampnb.modes import MODES, PrecisionMode
@@ -28,36 +29,6 @@ LOCAL_OUTLIER = 10.0  # a layer is sensitive when its local error is 10x the mod
 # vouch for them in training.
 TRUE_MODES = frozenset(name for name, mode in MODES.items() if narrow(mode) and
                        type(mode).master_weights is PrecisionMode.master_weights)
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """Largest relative loss error and relative gradient error (L2, all parameters) accepted."""
-
-    loss: float = 1e-2
-    grad: float = 1e-1
-
-    @classmethod
-    def of(cls, value: object) -> Tolerance:
-        """None (defaults), one number for both, a (loss, grad) pair, a dict or a Tolerance."""
-        if value is None:
-            return cls()
-        if isinstance(value, Tolerance):
-            return value
-        try:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                found = cls(float(value), float(value))
-            elif isinstance(value, dict):
-                found = cls(**{k: float(v) for k, v in value.items()})
-            else:
-                loss, grad = value  # type: ignore[misc]
-                found = cls(float(loss), float(grad))
-        except (TypeError, ValueError):
-            found = None
-        if found is None or not (found.loss > 0 and found.grad > 0):
-            raise ValueError(f"tolerance={value!r} is not allowed; allowed: a positive number, "
-                             "a (loss, grad) pair or {'loss': ..., 'grad': ...}")
-        return found
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from ampnb._tree import tensors
 from ampnb.batch import Batch, as_batch
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
 from ampnb.diagnosis.errors import Err, compare, flat, rel
-from ampnb.diagnosis.recommend import Tolerance
 from ampnb.diagnosis.run import Setup, _copy, _keep
+from ampnb.diagnosis.tolerance import Tolerance
 from ampnb.diagnosis.weights import eps_causes
 from ampnb.start import seed
 from ampnb.step import forward_loss, train_step
