@@ -78,3 +78,5 @@ def test_each_rank_logs_its_own_records_and_rank_1_overflowed_first(tmp_path):
 
     (step,) = [s for s in summarize(records) if s.step == K]
     assert step.skipped == (0, 1) and step.skip_agrees and step.nonfinite in ((1,), (0, 1))
+    # the table names the rank whose forward overflowed, whatever order the ranks ended in
+    assert step.first_rank == 1 and step.first_module == "2" and step.first_phase == "forward"

@@ -54,7 +54,10 @@ def _records(records: Iterable[StepRecord]) -> list[StepRecord]:
 def _first(bad: list[StepRecord]) -> StepRecord:
     # A rank that names a module saw the inf/NaN arise there; one that names none got it
     # through the gradient all-reduce. Among those, the step that ended first (no clock last).
-    return min(bad, key=lambda r: (not r.first_module, math.isnan(r.time), r.time, r.rank))
+    # A forward overflow is the rank's own (its micro-batch made it); a backward one may be the
+    # all-reduced gradients another rank sent: forward first, then the step that ended first.
+    return min(bad, key=lambda r: (not r.first_module, r.first_phase != "forward",
+                                   math.isnan(r.time), r.time, r.rank))
 
 
 def _summary(step: int, rs: list[StepRecord]) -> StepSummary:
@@ -181,7 +184,8 @@ class StepsTable(TableView):
                          not split else f"ranks disagree on the skip at steps {_ranks(split)}: "
                          "each rank's scaler decided alone")
             notes.append("loss: mean of the ranks' losses; first rank: of the ranks that name "
-                         "the module where inf/NaN arose, the one whose step ended first")
+                         "the module where inf/NaN arose (in the forward before the backward, "
+                         "whose gradients the all-reduce shares), the one whose step ended first")
         if any(s.nonfinite and not s.has_scaler for s in self.steps):
             notes.append("no scaler: no GradScaler was there to skip a non-finite step")
         return notes
