@@ -190,7 +190,7 @@ print("skipped:", sum(r.skipped for r in records), "of", len(records), "steps; t
 # learning while the scale sinks towards zero. The plot:
 
 # %%
-monitor.watch.plot()
+monitor.watch.plot().figure
 
 # %% [markdown]
 # Was it visible before it broke? The per-layer statistics of the last clean step: headroom is
@@ -273,7 +273,7 @@ print("block.fc_out's fp16 headroom at the last step:", f"{fc_out.headroom('act'
       "(negative: past fp16's max, held in fp32)")
 
 # %%
-monitor_kept.watch.plot()
+monitor_kept.watch.plot().figure
 
 # %% [markdown]
 # The island is a workaround: the real fix is upstream, in the data (normalize the new shard) or
