@@ -24,7 +24,7 @@ from ampnb._tree import map_tensors
 from ampnb.start import param_dtype
 from ampnb.step import _engine_in, _engine_out
 from ampnb.watch import inputs, overflow
-from ampnb.watch.hooks import Hook, StepState, all_finite, module_names, probe
+from ampnb.watch.hooks import Hook, StepState, first_nonfinite, module_names
 from ampnb.watch.records import LayerStats, StepRecord, log_path, write
 
 _NARROW = (torch.float16, torch.bfloat16)
@@ -46,8 +46,8 @@ def _tensorboard(log_dir: Any, rank: int | None) -> Any:
 
 
 def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
-    return all_finite([probe(p.grad) for g in optimizer.param_groups for p in g["params"]
-                       if p.grad is not None])
+    return first_nonfinite([p.grad for g in optimizer.param_groups for p in g["params"]
+                            if p.grad is not None]) is None
 
 
 def _lost_updates(before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:
@@ -210,9 +210,14 @@ class Watch:
             s.inputs.append(map_tensors(lambda t: t.detach(), (args, dict(kwargs))))
 
     def _on_output(self, i: int, module: nn.Module, args: Any, out: Any) -> None:
-        if torch.is_grad_enabled():
-            s = self._current()
-            s.on_output(i, s.stats and i in self._stat_set, args, out)
+        if not torch.is_grad_enabled():
+            return
+        s = self._state or self._current()
+        if not s.stats and type(out) is torch.Tensor:  # the common case, kept short
+            if out.is_floating_point():
+                s.outputs.append((i, out.detach()))
+            return
+        s.on_output(i, s.stats and i in self._stat_set, args, out)
 
     def _engine(self, run: Callable[..., Any], thread: int) -> Callable[..., Any]:
         def backward(roots: Any, *args: Any, **kwargs: Any) -> Any:
@@ -337,7 +342,7 @@ class Watch:
         for i in self._stats:
             gs = [p.grad for p in self._modules[i].parameters(recurse=False)
                   if p.grad is not None]
-            if gs and not all_finite([probe(g) for g in gs]):
+            if first_nonfinite(gs) is not None:
                 found = i
         return found
 

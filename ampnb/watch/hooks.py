@@ -13,8 +13,8 @@ once at the step's end.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,16 +34,9 @@ class Gone:
         return None
 
 
-class Hook:
-    """A hook that pickles and deep-copies as `Gone` (a saved or copied model takes no watch)."""
-
-    __slots__ = ("fn", "args")
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.fn, self.args = fn, args
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*self.args, *args, **kwargs)
+class Hook(functools.partial):
+    """A hook (a partial: called from C, no Python frame of its own) that pickles and
+    deep-copies as `Gone` (a saved or copied model takes no watch along)."""
 
     def __reduce__(self) -> tuple:
         return (Gone, ())
@@ -57,11 +50,18 @@ def strip_gone(model: nn.Module) -> None:
                 del hooks[k]
 
 
-def probe(t: torch.Tensor) -> torch.Tensor:
+def exact_probe(t: torch.Tensor) -> torch.Tensor:
     """A 0-dim tensor that is finite exactly when every element of t is: its sum, accumulated
     where no sum of finite values can overflow (fp16 in fp32, wider formats in fp64). One
     reduction, several times cheaper than `isfinite(t).all()` on CPU."""
     return t.sum(dtype=torch.float32 if t.dtype == torch.float16 else torch.float64)
+
+
+def fast_probe(t: torch.Tensor) -> torch.Tensor:
+    """t's sum in fp32: inf/NaN when t holds any, and (only for finite values within a factor
+    numel of fp32's max) when the sum overflows; `first_nonfinite` confirms. ~10x cheaper than
+    a sum in fp64 on CPU."""
+    return t.sum(dtype=torch.float32)
 
 
 def finite(probes: list[torch.Tensor]) -> list[bool]:
@@ -76,12 +76,15 @@ def finite(probes: list[torch.Tensor]) -> list[bool]:
     return ok
 
 
-def all_finite(probes: list[torch.Tensor]) -> bool:
-    """Every probe is finite (one sync per dtype)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in probes:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    return all(bool(torch.stack(ps).isfinite().all()) for ps in by_dtype.values())
+def first_nonfinite(ts: list[torch.Tensor]) -> int | None:
+    """Index of the first tensor holding inf/NaN (None: all finite): fast probes, one sync, and
+    an exact check of those the probes flag."""
+    if not ts:
+        return None
+    for k, ok in enumerate(finite([fast_probe(t) for t in ts])):
+        if not ok and not bool(torch.isfinite(ts[k]).all()):
+            return k
+    return None
 
 
 def finite_amax(t: torch.Tensor) -> torch.Tensor:
@@ -167,16 +170,15 @@ class StepState:
 
     def on_input_grad(self, i: int, g: torch.Tensor) -> None:
         """The gradient of a module's input, which its backward made (stats steps): a probe."""
-        self.backward.append((i, probe(g)))
+        self.backward.append((i, exact_probe(g)))
 
     def after_backward(self, roots: list[torch.Tensor]) -> None:
         """A micro-batch's backward ended: if its loss is non-finite, the first non-finite
         module output names where (none: the loss itself); the outputs are dropped."""
         outputs, self.outputs = self.outputs, []
-        if self.first is not None or not roots or all_finite([probe(r) for r in roots]):
+        if self.first is not None or first_nonfinite(roots) is None:
             return
-        ok = finite([probe(t) for _, t in outputs])
-        bad = next((k for k, v in enumerate(ok) if not v), None)
+        bad = first_nonfinite([t for _, t in outputs])
         self.first = (outputs[bad][0] if bad is not None else None, "forward")
 
     def read_grads(self, modules: list[nn.Module], stats: list[int], divisor: float) -> None:
