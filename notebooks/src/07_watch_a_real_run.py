@@ -349,8 +349,9 @@ print("GradScaler:", trainer.accelerator.scaler)
 # `fp16=True` on a CPU gets no GradScaler from Accelerate. Whether it gets fp16 autocast depends
 # on the transformers and Accelerate versions: with the ones this notebook was written with
 # (transformers 5.24, accelerate 1.15) it gets none either, so the model trains in fp32, and the
-# monitor warns; the dtype line printed above shows what yours do. On a GPU, Accelerate runs fp16
-# autocast *with* a GradScaler, and the monitor records its skips as in Lightning.
+# monitor warns; the dtype line printed above shows what yours do. On a CUDA GPU, Accelerate
+# makes fp16 autocast *and* a GradScaler (not run in this CPU notebook); the last cell of this
+# section hands the Trainer such a scaler by hand, to show what the monitor records then.
 #
 # To see fp16 on the CPU we enter fp16 autocast through the Trainer's own hook for it,
 # `autocast_smart_context_manager`; Accelerate still makes no GradScaler. And we plant an
