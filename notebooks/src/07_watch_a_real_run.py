@@ -5,14 +5,15 @@
 # loss scale collapses there, or the loss turns into `nan`, the logs say little more than "the
 # loss went `nan`". This notebook attaches ampnb's instruments to runs it does not drive:
 #
-# 1. a Lightning run in `16-mixed` whose loss scale collapses, because one layer overflows from a
-#    known step on — watched live with `PrecisionMonitor`,
-# 2. the first skipped step, kept on disk and replayed: the hunter names the op,
-# 3. the doctor on that step, and the fp32 island it proposes,
-# 4. the same run again with the island: clean,
-# 5. the Hugging Face `Trainer` on a tiny GPT-2 built from a config: what `fp16=True` does on a
+# 1. a Lightning run in `16-mixed` whose loss scale will collapse, because one layer overflows
+#    from a known step on,
+# 2. the run watched live with `PrecisionMonitor`: scale, skipped steps, the module, headroom,
+# 3. the first skipped step, kept on disk and replayed: the hunter names the op,
+# 4. the doctor on that step, and the fp32 island it proposes,
+# 5. the same run again with the island: clean,
+# 6. the Hugging Face `Trainer` on a tiny GPT-2 built from a config: what `fp16=True` does on a
 #    CPU, and what an overflow does when no GradScaler is there to skip the step,
-# 6. exercise: `ampnb.watch` on a plain `torch.amp` loop of your own.
+# 7. exercise: `ampnb.watch` on a plain `torch.amp` loop of your own.
 #
 # Prerequisites: 03 (GradScaler), 05 (the doctor and `keep_fp32`). About 20 minutes. Everything
 # runs on the CPU, with Lightning, transformers and accelerate installed.
@@ -169,8 +170,8 @@ trainer = fit(model, [monitor, ShowPanel(monitor)])
 monitor.watch.table()
 
 # %% [markdown]
-# What the records say, step by step (the loss is left out here: its last digits depend on the
-# CPU's fp16 kernels; the table above has it):
+# What the records say, step by step (the loss is left out here, as its last digits may depend
+# on the CPU's fp16 kernels; the table above has it):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -178,7 +179,7 @@ records = monitor.records
 for r in records:
     where = f"first non-finite: {r.first_module} ({r.first_phase})" if r.nonfinite else ""
     print(f"step {r.step:2}  scale 2^{int(math.log2(r.scale)):<3} "
-          f"{'skipped' if r.skipped else 'stepped'}  {where}")
+          f"{'skipped' if r.skipped else 'stepped'}  {where}".rstrip())
 end = trainer.precision_plugin.scaler.get_scale()
 print("skipped:", sum(r.skipped for r in records), "of", len(records), "steps; the scaler's scale",
       f"at the end: 2^{int(math.log2(end))}")
