@@ -224,15 +224,17 @@ class Watch:
             __tracebackhide__ = True  # noqa: F841 - the user's frames are what matter
             if threading.get_ident() != thread or not kwargs.get("accumulate_grad", True):
                 return run(roots, *args, **kwargs)
-            s = self._on_backward(roots)
+            s = self._on_backward()
             out = run(roots, *args, **kwargs)
             if s is not None:
-                s.after_backward([r for r in roots if isinstance(r, torch.Tensor)
-                                  and r.is_floating_point()])
+                floats = [r for r in roots
+                          if isinstance(r, torch.Tensor) and r.is_floating_point()]
+                s.after_backward([r.detach() for r in floats],
+                                 [id(r) in self._scaled for r in floats])
             return out
         return backward
 
-    def _on_backward(self, roots: Any) -> StepState | None:
+    def _on_backward(self) -> StepState | None:
         if not self._fresh:  # another model's backward (a copy, a GAN's other half)
             return None
         self._fresh = False
@@ -240,9 +242,6 @@ class Watch:
         s.micro_batches += 1
         if math.isnan(s.t0):
             s.t0 = time.perf_counter()
-        for r in roots:
-            if isinstance(r, torch.Tensor) and r.numel() == 1 and r.is_floating_point():
-                s.losses.append((r.detach(), id(r) in self._scaled))
         return s
 
     def _scale(self, scale: Callable[..., Any]) -> Callable[..., Any]:

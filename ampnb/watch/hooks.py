@@ -130,7 +130,7 @@ class StepState:
         self.stats = stats
         self.t0 = math.nan
         self.micro_batches = 0
-        self.losses: list[tuple[torch.Tensor, bool]] = []  # (root, scaled by the loss scale)
+        self.losses: list[tuple[float, bool]] = []  # (scalar root, scaled by the loss scale)
         self.explicit: list[float] = []                    # losses given to log_loss()
         self.outputs: list[tuple[int, torch.Tensor]] = []  # this micro-batch's, finish order
         self.first: tuple[int | None, str] | None = None   # first non-finite (module, phase)
@@ -172,11 +172,15 @@ class StepState:
         """The gradient of a module's input, which its backward made (stats steps): a probe."""
         self.backward.append((i, exact_probe(g)))
 
-    def after_backward(self, roots: list[torch.Tensor]) -> None:
-        """A micro-batch's backward ended: if its loss is non-finite, the first non-finite
-        module output names where (none: the loss itself); the outputs are dropped."""
+    def after_backward(self, roots: list[torch.Tensor], scaled: list[bool]) -> None:
+        """A micro-batch's backward ended: a scalar root is its loss (one sync); if a root is
+        non-finite, the first non-finite module output names where (none: the loss itself).
+        The outputs are dropped."""
         outputs, self.outputs = self.outputs, []
-        if self.first is not None or first_nonfinite(roots) is None:
+        losses = [(float(r), sc) for r, sc in zip(roots, scaled) if r.numel() == 1]
+        self.losses.extend(losses)
+        if self.first is not None or (all(math.isfinite(v) for v, _ in losses) and first_nonfinite(
+                [r for r in roots if r.numel() != 1]) is None):
             return
         bad = first_nonfinite([t for _, t in outputs])
         self.first = (outputs[bad][0] if bad is not None else None, "forward")
@@ -200,9 +204,8 @@ class StepState:
             return sum(self.explicit) / len(self.explicit)
         if not self.losses:
             return math.nan
-        values = torch.stack([r.float().reshape(()) for r, _ in self.losses]).tolist()
         return sum(v / scale if scaled and scale else v
-                   for v, (_, scaled) in zip(values, self.losses)) / len(values)
+                   for v, scaled in self.losses) / len(self.losses)
 
     def first_backward(self) -> int | None:
         """Stats steps: the module whose backward first made a non-finite input gradient."""
