@@ -217,7 +217,7 @@ def peak_mib() -> float:
 
 big = demo("gpt", width=384, depth=6, n_head=6, seq_len=64, batch_size=8)
 x, y = big.batches[0]
-for i in range(3):  # plain 32-true AdamW steps; the last one timed
+for _ in range(3):  # plain 32-true AdamW steps; the last one timed
     t0 = time.perf_counter()
     big.optimizer.zero_grad()
     big.loss_fn(big.model(x), y).backward()
