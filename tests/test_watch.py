@@ -221,9 +221,18 @@ def test_log_loss_replaces_what_backward_saw():
 def test_wrapped_optimizers_and_ddp_names(tmp_path):
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
+    class AcceleratedOptimizer(torch.optim.Optimizer):  # Accelerate's shape: .optimizer inside
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
     m, opt = _pair()
-    w = ampnb.watch(m, LightningOptimizer(opt))
-    w.close()
+    for wrapped in (LightningOptimizer(opt), AcceleratedOptimizer(opt)):
+        with ampnb.watch(m, wrapped) as w:
+            (x, y, _), = batches(1)[0]
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()  # the hooks sit on the optimizer inside
+            opt.zero_grad()
+        assert len(w.records) == 1
     dist = torch.distributed
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
