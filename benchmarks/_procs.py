@@ -77,7 +77,7 @@ class Measurement:
     peak_mib: float
     step_seconds: float = 0.0      # doctor: median plain step in the same process, wall
     step_cpu_seconds: float = 0.0  # doctor: the same in process CPU time
-    step_low: float = 0.0          # doctor: the fastest and slowest of those plain steps, wall
+    step_low: float = 0.0          # doctor: the quartiles of those plain steps, wall
     step_high: float = 0.0
     headline: str = ""    # the doctor's recommendation
     not_fit: str = ""     # what the doctor's report says did not fit its budget
@@ -151,6 +151,12 @@ def _said(report: Any, name: str) -> str:
     return found if isinstance(found, str) else "; ".join(map(str, found))
 
 
+def _short(left_out: Any) -> str:
+    """What did not fit, each piece by its name only ("bf16-true: its step (about ...)" -> "bf16-true")."""
+    names = [str(s).split(":")[0].split(" (")[0] for s in (left_out or ())]
+    return ", ".join(names)
+
+
 def _plain_steps(model: Any, batch: Any, optimizer: Any, loss_fn: Any,
                  n: int) -> tuple[list[float], list[float]]:
     """Wall and process-CPU seconds of n plain 32-true steps with the model's optimizer."""
@@ -188,11 +194,12 @@ def child(kind: str, model_name: str, threads: int) -> Measurement:
     seconds, doctor_cpu = time.perf_counter() - t0, time.process_time() - c0
     after, after_cpu = _plain_steps(model, batch, optimizer, loss_fn, TRAIN_STEPS)
     wall, cpu = wall + after, cpu + after_cpu
+    quartiles = statistics.quantiles(wall, n=4)  # one stray step does not make the unit noisy
     return Measurement(**base, seconds=seconds, cpu_seconds=doctor_cpu, peak_mib=_peak_mib(),
                        step_seconds=statistics.median(wall), step_cpu_seconds=statistics.median(cpu),
-                       step_low=min(wall), step_high=max(wall),
-                       headline=report.recommended.headline, not_fit=_said(report, _NOT_FIT),
-                       budget=_said(report, _BUDGET),
+                       step_low=quartiles[0], step_high=quartiles[2],
+                       headline=report.recommended.headline, not_fit=_short(getattr(report, _NOT_FIT, ())),
+                       budget=_said(report, _BUDGET).split("; order")[0],
                        most_time=phases.top())
 
 

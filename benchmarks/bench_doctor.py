@@ -14,8 +14,9 @@ from benchmarks._procs import Measurement, measure
 STEPS_GOAL = 15.0   # the doctor's default budget, in plain training steps
 MEMORY_GOAL = 1.5   # x the peak RSS of a process that only trains
 DEMO_GOAL = 15.0    # seconds for the demo GPT (a step there is milliseconds: steps say little)
-# Plain steps around the doctor that differ more than this (slowest / fastest): the machine's
-# load changed too much to judge the time against its goal.
+# Plain steps around the doctor whose quartiles differ more than this, or a share of CPU time
+# per wall second during the doctor this far from the plain steps' (other work came or went
+# while it ran): the machine's load changed too much to judge the time against its goal.
 NOISY = 1.5
 # (model, label, thread counts)
 CASES = (("gpt2-5M", "GPT-2 5M", (1, 2)), ("gpt2-17M", "GPT-2 17M", (1, 2)))
@@ -34,8 +35,9 @@ def doctor_rows(label: str, train: Measurement, doc: Measurement) -> list[Result
     # The unit is the plain step timed around the doctor in its own process: other work on a
     # shared machine then slows both alike. CPU time is shown as a second view of the same.
     steps = doc.seconds / doc.step_seconds
-    noisy = doc.step_high > NOISY * doc.step_low
     cpu_steps = doc.cpu_seconds / doc.step_cpu_seconds
+    busy = cpu_steps / steps  # = the doctor's CPU per wall second / the plain steps'
+    noisy = doc.step_high > NOISY * doc.step_low or not 1 / NOISY <= busy <= NOISY
     memory = doc.peak_mib / train.peak_mib
     said = "".join([f"; recommended {doc.headline}",
                     f"; did not fit: {doc.not_fit}" if doc.not_fit else "",
@@ -45,8 +47,8 @@ def doctor_rows(label: str, train: Measurement, doc: Measurement) -> list[Result
                f"{doc.seconds:.1f} s = {steps:.1f} plain steps (plain step {doc.step_seconds:.3f} s"
                f", {train.seconds:.3f} s in the training-only process; in CPU time {cpu_steps:.1f}"
                f" steps); most time: {doc.most_time}{said}"
-               + (f"; not judged: plain steps ranged {doc.step_low:.3f}-{doc.step_high:.3f} s"
-                  if noisy else ""),
+               + (f"; not judged: plain steps' quartiles {doc.step_low:.3f}-{doc.step_high:.3f} s"
+                  f", CPU per wall second {busy:.2f}x the plain steps'" if noisy else ""),
                steps, f"<= {STEPS_GOAL:g} steps", None if noisy else steps <= STEPS_GOAL),
         Result(f"doctor peak memory on {where}",
                f"{doc.peak_mib:.0f} MiB vs {train.peak_mib:.0f} MiB training-only (peak RSS)",

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks._procs import MARK, Measurement, _said, command, parse
+from benchmarks._procs import MARK, Measurement, _said, _short, command, parse
 from benchmarks.bench_doctor import MEMORY_GOAL, NOISY, STEPS_GOAL, doctor_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +55,10 @@ def test_rows_judge_the_ratios_of_the_two_processes():
     assert "1 thread" in time_row.name and "16.8M params" in time_row.name
     assert all(said in time_row.figure for said in (DOCTOR.not_fit, DOCTOR.headline, DOCTOR.budget))
     assert f"CPU time {DOCTOR.cpu_seconds / DOCTOR.step_cpu_seconds:.1f} steps" in time_row.figure
-    fits = doctor_rows("GPT-2 17M", TRAIN, replace(DOCTOR, seconds=DOCTOR.step_seconds * STEPS_GOAL,
-                                                   peak_mib=TRAIN.peak_mib, not_fit=""))
+    at_goal = replace(DOCTOR, seconds=DOCTOR.step_seconds * STEPS_GOAL,
+                      cpu_seconds=DOCTOR.step_cpu_seconds * STEPS_GOAL, peak_mib=TRAIN.peak_mib,
+                      not_fit="")
+    fits = doctor_rows("GPT-2 17M", TRAIN, at_goal)
     assert [r.ok for r in fits] == [True, True] and "did not fit" not in fits[0].figure
 
 
@@ -69,11 +71,22 @@ def test_a_time_row_is_not_judged_when_the_plain_steps_around_it_vary_too_much()
     assert doctor_rows("GPT-2 17M", TRAIN, edge)[0].ok is not None
 
 
+@pytest.mark.parametrize("factor", [1 / (NOISY * 1.01), NOISY * 1.01])
+def test_a_time_row_is_not_judged_when_the_load_changed_while_the_doctor_ran(factor):
+    # CPU per wall second during the doctor unlike the plain steps': other work came or went.
+    steps = DOCTOR.seconds / DOCTOR.step_seconds
+    shifted = replace(DOCTOR, cpu_seconds=steps * factor * DOCTOR.step_cpu_seconds)
+    time_row, _ = doctor_rows("GPT-2 17M", TRAIN, shifted)
+    assert time_row.ok is None and "CPU per wall second" in time_row.figure
+
+
 def test_report_fields_read_as_one_line_or_nothing():
     report = SimpleNamespace(left_out=("16-true check", "islands"), budget="15 steps")
     assert _said(report, "left_out") == "16-true check; islands"
     assert _said(report, "budget") == "15 steps"
     assert _said(SimpleNamespace(), "left_out") == ""  # a doctor without a budget yet
+    long = ("timing bf16-mixed (did not fit the budget)", "16-true: its step (about 3.7 plain steps)")
+    assert _short(long) == "timing bf16-mixed, 16-true" and _short(None) == ""
 
 
 def test_rows_refuse_measurements_of_different_set_ups():
