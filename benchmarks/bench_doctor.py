@@ -8,6 +8,9 @@ within 15 plain steps and 1.5x the training-only peak.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 from benchmarks._common import Result
 from benchmarks._procs import Measurement, measure
 
@@ -18,6 +21,7 @@ DEMO_GOAL = 15.0    # seconds for the demo GPT (a step there is milliseconds: st
 # per wall second during the doctor this far from the plain steps' (other work came or went
 # while it ran): the machine's load changed too much to judge the time against its goal.
 NOISY = 1.5
+ATTEMPTS = 2        # doctor processes per set-up at most, while its time row cannot be judged
 # (model, label, thread counts)
 CASES = (("gpt2-5M", "GPT-2 5M", (1, 2)), ("gpt2-17M", "GPT-2 17M", (1, 2)))
 
@@ -56,6 +60,17 @@ def doctor_rows(label: str, train: Measurement, doc: Measurement) -> list[Result
     ]
 
 
+def judged_rows(label: str, train: Measurement, take: Callable[[], Measurement],
+                attempts: int = ATTEMPTS) -> list[Result]:
+    """doctor_rows of a fresh doctor measurement, taken again while its time cannot be judged."""
+    attempt, rows = 1, doctor_rows(label, train, take())
+    while rows[0].ok is None and attempt < attempts:
+        attempt, rows = attempt + 1, doctor_rows(label, train, take())
+    if attempt > 1:
+        rows[0] = replace(rows[0], figure=f"{rows[0].figure}; attempt {attempt} of {attempts}")
+    return rows
+
+
 def _failed(name: str, error: Exception) -> Result:
     return Result(name, f"error: {error}", None, "-", False)
 
@@ -67,7 +82,8 @@ def run() -> list[Result]:
     for model, label, counts in CASES:
         for n in counts:
             try:
-                results += doctor_rows(label, measure("train", model, n), measure("doctor", model, n))
+                train = measure("train", model, n)
+                results += judged_rows(label, train, lambda: measure("doctor", model, n))  # noqa: B023
             except Exception as e:  # noqa: BLE001 - one failed set-up must not hide the others
                 results.append(_failed(f"doctor on {label}, {_threads(n)}", e))
     try:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks._procs import MARK, Measurement, _said, _short, command, parse
-from benchmarks.bench_doctor import MEMORY_GOAL, NOISY, STEPS_GOAL, doctor_rows
+from benchmarks.bench_doctor import MEMORY_GOAL, NOISY, STEPS_GOAL, doctor_rows, judged_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = Measurement("train", "gpt2-17M", 1, 16_840_704, 0.38, 0.37, 780.0)
@@ -78,6 +78,18 @@ def test_a_time_row_is_not_judged_when_the_load_changed_while_the_doctor_ran(fac
     shifted = replace(DOCTOR, cpu_seconds=steps * factor * DOCTOR.step_cpu_seconds)
     time_row, _ = doctor_rows("GPT-2 17M", TRAIN, shifted)
     assert time_row.ok is None and "CPU per wall second" in time_row.figure
+
+
+def test_a_doctor_run_too_noisy_to_judge_is_taken_again():
+    noisy = replace(DOCTOR, step_high=DOCTOR.step_low * NOISY * 2)
+    taken = iter([noisy, DOCTOR])
+    rows = judged_rows("GPT-2 17M", TRAIN, lambda: next(taken), attempts=2)
+    assert rows[0].ok is not None and "attempt 2 of 2" in rows[0].figure
+    assert rows[0].ratio == doctor_rows("GPT-2 17M", TRAIN, DOCTOR)[0].ratio
+    once = iter([DOCTOR, noisy])
+    assert "attempt" not in judged_rows("GPT-2 17M", TRAIN, lambda: next(once))[0].figure
+    always = iter([noisy, noisy])
+    assert judged_rows("GPT-2 17M", TRAIN, lambda: next(always), attempts=2)[0].ok is None
 
 
 def test_report_fields_read_as_one_line_or_nothing():
