@@ -23,9 +23,9 @@ from ampnb._interrupt import Guard, critical
 from ampnb._tree import map_tensors
 from ampnb.start import param_dtype
 from ampnb.step import _engine_in, _engine_out
-from ampnb.watch import inputs, overflow
-from ampnb.watch.hooks import Hook, StepState, first_nonfinite, module_names
-from ampnb.watch.records import LayerStats, StepRecord, log_path, write
+from ampnb.watch import inputs, overflow, summary
+from ampnb.watch.hooks import Hook, StepState, module_names
+from ampnb.watch.records import StepRecord, log_path, write
 
 _NARROW = (torch.float16, torch.bfloat16)
 
@@ -43,20 +43,6 @@ def _tensorboard(log_dir: Any, rank: int | None) -> Any:
         return TensorBoardWriter(log_dir, rank)
     except ImportError:  # an optional extra: absent, the JSON lines alone
         return None
-
-
-def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
-    return first_nonfinite([p.grad for g in optimizer.param_groups for p in g["params"]
-                            if p.grad is not None]) is None
-
-
-def _lost_updates(before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:
-    """Share of entries with a nonzero finite gradient whose weight the update left unchanged."""
-    lost = total = 0
-    for p, w0, moving in before:
-        lost += int((moving & (p.detach() == w0)).sum())
-        total += int(moving.sum())
-    return lost / total if total else 0.0
 
 
 class Watch:
@@ -285,7 +271,7 @@ class Watch:
                 divisor = float(self._scaler.get_scale())
         s.read_grads(self._modules, self._stats, divisor)
         if self._scaler is None:
-            s.grads_finite = _grads_finite(optimizer)
+            s.grads_finite = summary.grads_finite(optimizer)
             if self.keep_overflow is not None and self.overflow_file is None and not (
                     s.grads_finite and s.first is None and math.isfinite(s.loss(None))):
                 self._keep(s, None)  # before the update changes the weights
@@ -316,8 +302,10 @@ class Watch:
         first, phase = s.first if s.first is not None else (None, "")
         if nonfinite and s.first is None:  # finite forward: it went non-finite in backward
             first = s.first_backward()
-            first, phase = (first if first is not None else self._nonfinite_grads()), "backward"
-        lost = _lost_updates(s.before) if s.before is not None else None
+            if first is None:
+                first = summary.nonfinite_grads(self._modules, self._stats)
+            phase = "backward"
+        lost = summary.lost_updates(s.before) if s.before is not None else None
         now = time.perf_counter()
         record = StepRecord(
             step=len(self._records), rank=self.rank or 0, micro_batches=s.micro_batches,
@@ -325,7 +313,7 @@ class Watch:
             first_module=self.names[first] if first is not None else "",
             first_phase=phase if nonfinite else "", lost_updates=lost,
             seconds=now - s.t0, time=time.time(),
-            layers=self._layers(s, scale) if s.stats else ())
+            layers=summary.layers(s, self.names, self._stats, scale) if s.stats else ())
         self._records.append(record)
         if self._log is not None:
             write(self._log, [record])
@@ -333,35 +321,6 @@ class Watch:
             self._tb.write(record)
         for callback in self._callbacks:
             callback(record)
-
-    def _nonfinite_grads(self) -> int | None:
-        """The module last in forward order whose own parameter gradients hold inf/NaN (the
-        first backward reaches), when no output or output gradient was seen non-finite."""
-        found = None
-        for i in self._stats:
-            gs = [p.grad for p in self._modules[i].parameters(recurse=False)
-                  if p.grad is not None]
-            if first_nonfinite(gs) is not None:
-                found = i
-        return found
-
-    def _layers(self, s: StepState, scale: float | None) -> tuple[LayerStats, ...]:
-        keys = [i for i in self._stats if i in s.act or i in s.act_grad or i in s.grad]
-        if not keys:
-            return ()
-        nan = torch.tensor(math.nan)
-        none = torch.tensor([0, 0])
-
-        def column(d: dict[int, torch.Tensor], empty: torch.Tensor) -> list:
-            return torch.stack([d.get(i, empty).cpu().to(empty.dtype) for i in keys]).tolist()
-        act, act_grad = column(s.act, nan), column(s.act_grad, nan)
-        grad, flush = column(s.grad, nan), column(s.flush, none)
-        scaled = scale if scale else 1.0
-        return tuple(LayerStats(self.names[i], act[k], act_grad[k] / scaled,
-                                grad[k] / s.divisor if i in s.grad else math.nan,
-                                (flush[k][0] / flush[k][1] if flush[k][1] else 0.0)
-                                if i in s.flush else math.nan)
-                     for k, i in enumerate(keys))
 
 
 @critical

@@ -1,0 +1,58 @@
+"""A step's figures at its end, from what its hooks collected (floats out, no tensor kept)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ampnb.watch.hooks import StepState, first_nonfinite
+from ampnb.watch.records import LayerStats
+
+
+def grads_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """Every gradient the optimizer holds is finite."""
+    return first_nonfinite([p.grad for g in optimizer.param_groups for p in g["params"]
+                            if p.grad is not None]) is None
+
+
+def lost_updates(before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:
+    """Share of entries with a nonzero finite gradient whose weight the update left unchanged."""
+    lost = total = 0
+    for p, w0, moving in before:
+        lost += int((moving & (p.detach() == w0)).sum())
+        total += int(moving.sum())
+    return lost / total if total else 0.0
+
+
+def nonfinite_grads(modules: list[nn.Module], stats: list[int]) -> int | None:
+    """The module last in forward order whose own parameter gradients hold inf/NaN (the first
+    that backward reaches): where a backward overflow is put when nothing finer was probed."""
+    found = None
+    for i in stats:
+        gs = [p.grad for p in modules[i].parameters(recurse=False) if p.grad is not None]
+        if first_nonfinite(gs) is not None:
+            found = i
+    return found
+
+
+def layers(s: StepState, names: list[str], stats: list[int], scale: float | None
+           ) -> tuple[LayerStats, ...]:
+    """Per stats module: its ranges, unscaled, and the fp16 flush share (one sync per column)."""
+    keys = [i for i in stats if i in s.act or i in s.act_grad or i in s.grad]
+    if not keys:
+        return ()
+    nan = torch.tensor(math.nan)
+    none = torch.tensor([0, 0])
+
+    def column(d: dict[int, torch.Tensor], empty: torch.Tensor) -> list:
+        return torch.stack([d.get(i, empty).cpu().to(empty.dtype) for i in keys]).tolist()
+    act, act_grad = column(s.act, nan), column(s.act_grad, nan)
+    grad, flush = column(s.grad, nan), column(s.flush, none)
+    scaled = scale if scale else 1.0
+    return tuple(LayerStats(names[i], act[k], act_grad[k] / scaled,
+                            grad[k] / s.divisor if i in s.grad else math.nan,
+                            (flush[k][0] / flush[k][1] if flush[k][1] else 0.0)
+                            if i in s.flush else math.nan)
+                 for k, i in enumerate(keys))
