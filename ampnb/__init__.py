@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "run_distributed": "ampnb.distributed",
 }
 _SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
-               "lowbit", "distributed", "watch"}
+               "lowbit", "distributed", "watch", "integrations"}
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES)
 

@@ -318,3 +318,12 @@ def test_importing_the_integrations_imports_no_framework():
             "print('lightning' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"]  # nothing until the callback is touched
+
+
+def test_the_integrations_are_reached_from_a_plain_import_ampnb():
+    """DESIGN.md's spelling: `ampnb.integrations.lightning.PrecisionMonitor` after `import ampnb`."""
+    code = ("import sys, ampnb\n"
+            "print('lightning' in sys.modules)\n"
+            "print(ampnb.integrations.lightning.PrecisionMonitor.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["False", "PrecisionMonitor"]
