@@ -79,6 +79,7 @@ class Measurement:
     step_cpu_seconds: float = 0.0  # doctor: the same in process CPU time
     step_low: float = 0.0          # doctor: the quartiles of those plain steps, wall
     step_high: float = 0.0
+    import_seconds: float = 0.0    # doctor: its first use's imports (once per process; not counted)
     headline: str = ""    # the doctor's recommendation
     not_fit: str = ""     # what the doctor's report says did not fit its budget
     budget: str = ""      # the report's line on its budget and what it spent
@@ -186,18 +187,20 @@ def child(kind: str, model_name: str, threads: int) -> Measurement:
     if kind == "train":
         return Measurement(**base, seconds=statistics.median(wall),
                            cpu_seconds=statistics.median(cpu), peak_mib=_peak_mib())
-    import ampnb
+    t0 = time.perf_counter()
+    from ampnb import doctor  # a lazy name: its modules load here, once per process
 
+    imported = time.perf_counter() - t0
     phases = _Phases()  # only listens: the doctor runs with its default arguments
     t0, c0 = time.perf_counter(), time.process_time()
-    report = ampnb.doctor(model, batch, loss_fn, optimizer=optimizer, progress=phases)
+    report = doctor(model, batch, loss_fn, optimizer=optimizer, progress=phases)
     seconds, doctor_cpu = time.perf_counter() - t0, time.process_time() - c0
     after, after_cpu = _plain_steps(model, batch, optimizer, loss_fn, TRAIN_STEPS)
     wall, cpu = wall + after, cpu + after_cpu
     quartiles = statistics.quantiles(wall, n=4)  # one stray step does not make the unit noisy
     return Measurement(**base, seconds=seconds, cpu_seconds=doctor_cpu, peak_mib=_peak_mib(),
                        step_seconds=statistics.median(wall), step_cpu_seconds=statistics.median(cpu),
-                       step_low=quartiles[0], step_high=quartiles[2],
+                       step_low=quartiles[0], step_high=quartiles[2], import_seconds=imported,
                        headline=report.recommended.headline, not_fit=_short(getattr(report, _NOT_FIT, ())),
                        budget=_said(report, _BUDGET).split("; order")[0],
                        most_time=phases.top())

@@ -50,7 +50,8 @@ def doctor_rows(label: str, train: Measurement, doc: Measurement) -> list[Result
         Result(f"doctor time on {where}",
                f"{doc.seconds:.1f} s = {steps:.1f} plain steps (plain step {doc.step_seconds:.3f} s"
                f", {train.seconds:.3f} s in the training-only process; in CPU time {cpu_steps:.1f}"
-               f" steps); most time: {doc.most_time}{said}"
+               f" steps; importing its modules first {doc.import_seconds:.2f} s, not counted); most "
+               f"time: {doc.most_time}{said}"
                + (f"; not judged: plain steps' quartiles {doc.step_low:.3f}-{doc.step_high:.3f} s"
                   f", CPU per wall second {busy:.2f}x the plain steps'" if noisy else ""),
                steps, f"<= {STEPS_GOAL:g} steps", None if noisy else steps <= STEPS_GOAL),

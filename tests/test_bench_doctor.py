@@ -122,3 +122,4 @@ def test_child_reports_its_threads_and_the_peak_the_kernel_saw(kind, threads):
     assert got.seconds > 0 and (got.headline != "") is (kind == "doctor")
     assert (got.step_seconds > 0) is (kind == "doctor")
     assert got.step_low <= got.step_seconds <= got.step_high
+    assert (got.import_seconds > 0) is (kind == "doctor")
