@@ -17,9 +17,10 @@ from benchmarks._procs import Measurement, measure
 STEPS_GOAL = 15.0   # the doctor's default budget, in plain training steps
 MEMORY_GOAL = 1.5   # x the peak RSS of a process that only trains
 DEMO_GOAL = 15.0    # seconds for the demo GPT (a step there is milliseconds: steps say little)
-# Plain steps around the doctor whose quartiles differ more than this, or a share of CPU time
-# per wall second during the doctor this far from the plain steps' (other work came or went
-# while it ran): the machine's load changed too much to judge the time against its goal.
+# Plain steps around the doctor whose quartiles differ more than this, a share of CPU time per
+# wall second during the doctor this far from the plain steps' (other work came or went while
+# it ran), or a plain step this far from the training-only process's: the machine's load
+# changed too much to judge the time against its goal.
 NOISY = 1.5
 ATTEMPTS = 2        # doctor processes per set-up at most, while its time row cannot be judged
 # (model, label, thread counts)
@@ -41,7 +42,9 @@ def doctor_rows(label: str, train: Measurement, doc: Measurement) -> list[Result
     steps = doc.seconds / doc.step_seconds
     cpu_steps = doc.cpu_seconds / doc.step_cpu_seconds
     busy = cpu_steps / steps  # = the doctor's CPU per wall second / the plain steps'
-    noisy = doc.step_high > NOISY * doc.step_low or not 1 / NOISY <= busy <= NOISY
+    apart = doc.step_seconds / train.seconds
+    noisy = (doc.step_high > NOISY * doc.step_low
+             or not (1 / NOISY <= busy <= NOISY and 1 / NOISY <= apart <= NOISY))
     memory = doc.peak_mib / train.peak_mib
     said = "".join([f"; recommended {doc.headline}",
                     f"; did not fit: {doc.not_fit}" if doc.not_fit else "",
@@ -53,7 +56,8 @@ def doctor_rows(label: str, train: Measurement, doc: Measurement) -> list[Result
                f" steps; importing its modules first {doc.import_seconds:.2f} s, not counted); most "
                f"time: {doc.most_time}{said}"
                + (f"; not judged: plain steps' quartiles {doc.step_low:.3f}-{doc.step_high:.3f} s"
-                  f", CPU per wall second {busy:.2f}x the plain steps'" if noisy else ""),
+                  f", CPU per wall second {busy:.2f}x the plain steps', plain step {apart:.2f}x the "
+                  "training-only process's" if noisy else ""),
                steps, f"<= {STEPS_GOAL:g} steps", None if noisy else steps <= STEPS_GOAL),
         Result(f"doctor peak memory on {where}",
                f"{doc.peak_mib:.0f} MiB vs {train.peak_mib:.0f} MiB training-only (peak RSS)",

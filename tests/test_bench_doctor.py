@@ -80,6 +80,15 @@ def test_a_time_row_is_not_judged_when_the_load_changed_while_the_doctor_ran(fac
     assert time_row.ok is None and "CPU per wall second" in time_row.figure
 
 
+@pytest.mark.parametrize("factor", [1 / (NOISY * 1.01), NOISY * 1.01])
+def test_a_time_row_is_not_judged_when_the_two_processes_saw_different_loads(factor):
+    # The plain step around the doctor unlike the training-only process's: a load came or went.
+    time_row, memory_row = doctor_rows("GPT-2 17M", replace(TRAIN, seconds=DOCTOR.step_seconds
+                                                            * factor), DOCTOR)
+    assert time_row.ok is None and "training-only process's" in time_row.figure
+    assert memory_row.ok is not None
+
+
 def test_a_doctor_run_too_noisy_to_judge_is_taken_again():
     noisy = replace(DOCTOR, step_high=DOCTOR.step_low * NOISY * 2)
     taken = iter([noisy, DOCTOR])
