@@ -348,8 +348,9 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
                   param_errors=grads.errors, end_to_end=rec.end_to_end, amax=rec.amax,
                   nonfinite=found, saved_bytes=meter.peak_bytes, scale=scale, seconds=seconds,
                   **sizes, **found_left)
-    if reference:
-        result.update(grads=grads.kept, moved=moved_now, outputs=rec.spill, local=rec.local)
+    if reference:  # compared with itself: no error
+        result.update(grads=grads.kept, moved=moved_now, outputs=rec.spill, local=rec.local,
+                      grad_error=0.0)
     if scale is not None and math.isfinite(loss) and not grads.finite:
         result.update(_rescale(setup, cand, keep, scale, found, ref))
     return StepResult(**result)
