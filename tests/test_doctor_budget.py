@@ -12,7 +12,8 @@ from torch import nn
 
 import ampnb
 from ampnb.batch import as_batch
-from ampnb.diagnosis.budget import DEFAULT_STEPS, MIN_SECONDS, Budget
+from ampnb.diagnosis import budget as budget_module
+from ampnb.diagnosis.budget import DEFAULT_STEPS, Budget
 from ampnb.diagnosis.candidates import candidates
 from ampnb.diagnosis.errors import compare
 from ampnb.diagnosis.run import Setup, measure
@@ -25,8 +26,8 @@ def test_budget_spellings_and_bad_values():
     assert Budget.of(None) == Budget(DEFAULT_STEPS, None)
     assert Budget.of(30) == Budget(None, 30.0) and Budget.of("20 steps") == Budget(20.0, None)
     assert Budget.of(math.inf).limit(1.0) == math.inf
-    assert Budget.of(None).limit(0.001) == MIN_SECONDS            # a toy model's step
-    assert Budget.of(None).limit(2.0) == DEFAULT_STEPS * 2.0
+    assert Budget.of(None).limit(0.001) == budget_module.MIN_SECONDS  # a toy model's step
+    assert Budget.of(None).limit(10.0) == DEFAULT_STEPS * 10.0
     for bad in (0, -1, True, "fast", "0 steps", [15]):
         with pytest.raises(ValueError, match="budget=.* is not allowed; allowed: a number of"):
             Budget.of(bad)
@@ -128,3 +129,13 @@ def test_a_candidate_keeps_figures_not_tensors_and_its_errors_match_a_direct_com
     for name in want:
         assert run.end_to_end[name].rel == pytest.approx(compare(outs[name], want[name]).rel,
                                                          rel=1e-9)
+
+
+def test_the_clock_keeps_one_plain_step_in_hand_and_lists_what_it_refuses():
+    from ampnb.diagnosis.budget import Clock
+
+    clock = Clock(Budget.of(100))
+    clock.plain = 10.0
+    assert clock.fits(80.0, "a stage")                 # 80 + 10 in hand <= ~100 left
+    assert not clock.fits(95.0, "the fp64 check")      # 95 + 10 > 100
+    assert clock.left_out == ["the fp64 check (about 9.5 plain steps; 10.0 plain steps left)"]

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 DEFAULT_STEPS = 15
-MIN_SECONDS = 3.0  # a budget in steps is at least this: on a toy model a step is a millisecond,
+MIN_SECONDS = 1.0  # a budget in steps is at least this: on a toy model a step is a millisecond,
                    # less than the doctor's own set-up of one run
 ORDER = ("a plain 32-true step (the budget's unit)", "the 32-true reference step",
          "each mixed mode's step", "timing", "fp32 islands", "true modes' steps and multi-step checks",
@@ -74,8 +74,10 @@ class Clock:
         return math.inf if math.isnan(self.plain) else self.budget.limit(self.plain) - self.spent
 
     def fits(self, seconds: float, what: str) -> bool:
-        """Whether work estimated at `seconds` fits; when not, it is listed as left out."""
-        if seconds <= self.left:
+        """Whether work estimated at `seconds` fits, one plain step kept in hand for what runs
+        after the last stage (the report, putting the user's state back); when not, it is
+        listed as left out."""
+        if seconds + (0.0 if math.isnan(self.plain) else self.plain) <= self.left:
             return True
         self.left_out.append(f"{what} (about {self._steps(seconds)}; "
                              f"{self._steps(max(self.left, 0.0))} left)")
