@@ -62,6 +62,7 @@ class Clock:
     def __init__(self, budget: Budget) -> None:
         self.budget, self.t0 = budget, time.perf_counter()
         self.plain = math.nan
+        self.reserve = 0.0  # seconds kept for after the last stage (the user's state put back)
         self.left_out: list[str] = []
 
     @property
@@ -74,10 +75,10 @@ class Clock:
         return math.inf if math.isnan(self.plain) else self.budget.limit(self.plain) - self.spent
 
     def fits(self, seconds: float, what: str) -> bool:
-        """Whether work estimated at `seconds` fits, one plain step kept in hand for what runs
-        after the last stage (the report, putting the user's state back); when not, it is
-        listed as left out."""
-        if seconds + (0.0 if math.isnan(self.plain) else self.plain) <= self.left:
+        """Whether work estimated at `seconds` fits, with one plain step and the `reserve` kept
+        in hand for what runs after the last stage (the report, putting the user's state back);
+        when not, it is listed as left out."""
+        if seconds + (0.0 if math.isnan(self.plain) else self.plain) + self.reserve <= self.left:
             return True
         self.left_out.append(f"{what} (about {self._steps(seconds)}; "
                              f"{self._steps(max(self.left, 0.0))} left)")

@@ -49,6 +49,9 @@ from ampnb.modes import get_mode
 from ampnb.start import set_aside, started
 
 SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed MIN_TIMED x
+# a mode's instrumented step against the reference's, before it has run: "slow" kernels (bf16
+# without bf16 units) measured about 3x here, emulated ones (fp16 GEMMs, TF32, FP8) under 2x
+COST_GUESS = {"native": 1.2, "slow": 3.0, "emulated": 2.0}
 MAX_RERUNS_SAID = 2  # fewer island reruns than this left: the search is listed as not fitting
 MAX_REPEAT = 100  # timed steps per mode: more says nothing new and can run for hours
 
@@ -222,6 +225,7 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
             started(model, o.optimizer, os.path.join(scratch, "start.pt")) as start, \
             set_aside(start, o.optimizer, os.path.join(scratch, "grads.pt")):
         setup = Setup(start, data, loss_fn, dev, o.seed, step, scratch)
+        clock.reserve = clock.spent  # putting the user's state back costs what setting it aside did
         return _diagnose(setup, cands, skipped, tol, o.repeat, o.profile, say, clock,
                          o.train, o.batches, o.scheduler)
 
@@ -260,7 +264,7 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     def run(cand: Candidate) -> None:
         i = cands.index(cand)
         # a mode's instrumented step costs about the reference's, more when emulated or slow
-        guess = ref_wall * (1.0 if cand.native else 1.5)
+        guess = ref_wall * COST_GUESS.get(cand.label, 1.0)
         if not clock.fits(guess, f"{cand.name}: its step"):
             return
         say(f"{cand.name} ({i + 1}/{n}): {cand.how}")
