@@ -136,6 +136,6 @@ def test_the_clock_keeps_one_plain_step_in_hand_and_lists_what_it_refuses():
 
     clock = Clock(Budget.of(100))
     clock.plain = 10.0
-    assert clock.fits(80.0, "a stage")                 # 80 + 10 in hand <= ~100 left
-    assert not clock.fits(95.0, "the fp64 check")      # 95 + 10 > 100
-    assert clock.left_out == ["the fp64 check (about 9.5 plain steps; 10.0 plain steps left)"]
+    assert clock.fits(70.0, "a stage")                 # 1.25 x 70 + 10 in hand <= ~100 left
+    assert not clock.fits(75.0, "the fp64 check")      # 1.25 x 75 + 10 > 100
+    assert clock.left_out == ["the fp64 check (about 7.5 plain steps; 10.0 plain steps left)"]

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 DEFAULT_STEPS = 15
+SAFETY = 1.25  # estimates are rough (a shared machine, a mode's first step): stay under the budget
 MIN_SECONDS = 1.0  # a budget in steps is at least this: on a toy model a step is a millisecond,
                    # less than the doctor's own set-up of one run
 ORDER = ("a plain 32-true step (the budget's unit)", "the 32-true reference step",
@@ -78,7 +79,8 @@ class Clock:
         """Whether work estimated at `seconds` fits, with one plain step and the `reserve` kept
         in hand for what runs after the last stage (the report, putting the user's state back);
         when not, it is listed as left out."""
-        if seconds + (0.0 if math.isnan(self.plain) else self.plain) + self.reserve <= self.left:
+        hand = (0.0 if math.isnan(self.plain) else self.plain) + self.reserve
+        if SAFETY * seconds + hand <= self.left:
             return True
         self.left_out.append(f"{what} (about {self._steps(seconds)}; "
                              f"{self._steps(max(self.left, 0.0))} left)")

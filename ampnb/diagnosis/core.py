@@ -49,9 +49,9 @@ from ampnb.modes import get_mode
 from ampnb.start import set_aside, started
 
 SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is timed MIN_TIMED x
-# a mode's instrumented step against the reference's, before it has run: "slow" kernels (bf16
-# without bf16 units) measured about 3x here, emulated ones (fp16 GEMMs, TF32, FP8) under 2x
-COST_GUESS = {"native": 1.2, "slow": 3.0, "emulated": 2.0}
+# a mode's plain step against 32-true's, before it has run: "slow" kernels (bf16 without bf16
+# units) measured about 3x here, emulated ones (fp16 GEMMs, TF32, FP8) under 2x
+COST_GUESS = {"native": 1.0, "slow": 3.0, "emulated": 2.0}
 MAX_RERUNS_SAID = 2  # fewer island reruns than this left: the search is listed as not fitting
 MAX_REPEAT = 100  # timed steps per mode: more says nothing new and can run for hours
 
@@ -231,11 +231,11 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
 
 
 def _plain_step(setup: Setup, ref: Candidate, say: Callable[[str], None]) -> float:
-    """Seconds of a plain 32-true step, the budget's unit: the faster of two after a warm-up
-    step (one slow step on a shared machine would stretch the whole budget)."""
+    """Seconds of a plain 32-true step, the budget's unit: the faster of two, run after the
+    reference step has warmed everything up (one slow step on a shared machine would stretch
+    the whole budget)."""
     say(f"{REFERENCE}: a plain step (the budget's unit)")
-    with expected(setup.batch, type(setup.model).__name__, setup.step is not None):
-        return min(time_steps(setup, [(ref, None, (), 2)])[0])
+    return min(time_steps(setup, [(ref, None, (), 2)], warmup=0)[0])
 
 
 def _cost(run: StepResult, ref: StepResult, plain: float) -> float:
@@ -246,26 +246,32 @@ def _cost(run: StepResult, ref: StepResult, plain: float) -> float:
 def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tolerance,
               repeat: int, profile: bool, say: Callable[[str], None], clock: Clock,
               train: bool = True, batches: Any = None, scheduler: Any = None) -> DoctorReport:
-    clock.plain = _plain_step(setup, cands[0], say)
     n = len(cands)
     mixed = [c for c in cands[1:] if keeps_model(c) or c.mode.is_mixed]
     true = [c for c in cands[1:] if c not in mixed]
     say(f"{REFERENCE} (1/{n}): reference step")
     t0 = time.perf_counter()
-    ref = measure(setup, cands[0], reference=True)
+    with expected(setup.batch, type(setup.model).__name__, setup.step is not None):
+        ref = measure(setup, cands[0], reference=True)
     ref_wall = time.perf_counter() - t0
+    clock.plain = _plain_step(setup, cands[0], say)  # after the reference: warm, no warm-up
     if not ref.finite:
         where = f" ({ref.nonfinite.message})" if ref.nonfinite else ""
         raise ValueError(f"the {REFERENCE} step itself produced inf/NaN{where}; the doctor "
                          "compares modes against a finite fp32 step")
     runs: dict[str, StepResult] = {REFERENCE: ref}
     ran = [cands[0]]
+    stopped: list[str] = []  # the modes run in order: once one does not fit, neither do the rest
 
     def run(cand: Candidate) -> None:
         i = cands.index(cand)
-        # a mode's instrumented step costs about the reference's, more when emulated or slow
-        guess = ref_wall * COST_GUESS.get(cand.label, 1.0)
+        if stopped:
+            clock.skip(f"{cand.name}: its step", f"after {stopped[0]}, in the order")
+            return
+        # a mode's instrumented step costs the reference's, plus its slower arithmetic
+        guess = ref_wall + (COST_GUESS.get(cand.label, 1.0) - 1) * clock.plain
         if not clock.fits(guess, f"{cand.name}: its step"):
+            stopped.append(cand.name)
             return
         say(f"{cand.name} ({i + 1}/{n}): {cand.how}")
         try:
