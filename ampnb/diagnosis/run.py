@@ -35,32 +35,57 @@ MIN_SCALE = 2.0**-8  # a loss scale below this means the gradients overflow what
 class Spill(Mapping):
     """Tensors kept on disk by name, read back one at a time (the reference's module outputs and
     gradients): the candidates compare against them as they stream, so no run holds another's
-    activations or gradients."""
+    activations or gradients. Written in files of up to FILE_BYTES (one file per tensor costs
+    more than the step on a small model), read back memory-mapped, one file at a time."""
+
+    FILE_BYTES = 64 << 20
 
     def __init__(self, root: str) -> None:
-        self.root, self.paths = root, {}
+        self.root = root
+        self.where: dict[str, str] = {}          # name -> file
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.open: tuple[str, dict[str, torch.Tensor]] | None = None
 
     def put(self, name: str, t: torch.Tensor) -> None:
-        path = os.path.join(self.root, f"t{len(self.paths)}.pt")
-        torch.save(t, path)
-        self.paths[name] = path
+        self.pending[name] = t.detach()
+        self.pending_bytes += t.numel() * t.element_size()
+        if self.pending_bytes >= self.FILE_BYTES:
+            self.seal()
+
+    def seal(self) -> None:
+        """Write what is pending to a file of its own."""
+        if not self.pending:
+            return
+        path = os.path.join(self.root, f"t{len(set(self.where.values()))}.pt")
+        torch.save(self.pending, path)
+        self.where.update(dict.fromkeys(self.pending, path))
+        self.pending, self.pending_bytes = {}, 0
 
     def get(self, name: str, default: Any = None) -> Any:
-        return torch.load(self.paths[name], weights_only=True) if name in self.paths else default
+        if name in self.pending:
+            return self.pending[name]
+        path = self.where.get(name)
+        if path is None:
+            return default
+        if self.open is None or self.open[0] != path:
+            self.open = None  # drop the last file's mapping first
+            self.open = (path, torch.load(path, mmap=True, weights_only=True))
+        return self.open[1][name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.paths:
+        if name not in self:
             raise KeyError(name)
         return self.get(name)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.paths
+        return name in self.where or name in self.pending
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.paths)
+        return iter([*self.where, *self.pending])
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.where) + len(self.pending)
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,7 +205,7 @@ class _Grads:
     def __call__(self) -> None:
         for name, g in _grads(self.net):
             if self.kept is not None:
-                self.kept.put(name, g)
+                self.kept.put(name, g.clone())  # the optimizer step may still change it
             elif self.ref is not None and name in self.ref:
                 self.errors[name] = self.total.add(g, self.ref[name]).rel
             if self.ref is None or name not in self.ref:
@@ -349,6 +374,8 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
                   nonfinite=found, saved_bytes=meter.peak_bytes, scale=scale, seconds=seconds,
                   **sizes, **found_left)
     if reference:  # compared with itself: no error
+        rec.spill.seal()
+        grads.kept.seal()
         result.update(grads=grads.kept, moved=moved_now, outputs=rec.spill, local=rec.local,
                       grad_error=0.0)
     if scale is not None and math.isfinite(loss) and not grads.finite:
