@@ -16,6 +16,7 @@ from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
+from watch_models import Spike
 
 from ampnb.formats import get_format
 from ampnb.integrations import lightning as integration
@@ -24,22 +25,6 @@ from ampnb.watch import read_log
 
 K = 3       # the step whose forward overflows
 STEPS = 6
-
-
-class Spike(nn.Linear):
-    """A Linear whose output is multiplied past fp16's max on one training step only."""
-
-    def __init__(self, at: int | None) -> None:
-        super().__init__(16, 16)
-        self.at, self.calls = at, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        if self.training and torch.is_grad_enabled():
-            self.calls += 1
-            if self.calls - 1 == self.at:
-                out = out * (4 * get_format("fp16").max)  # |out| ~ 1: inf in fp16
-        return out
 
 
 class Net(pl.LightningModule):

@@ -10,9 +10,9 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from torch import nn
+from watch_models import Spike
 
 import ampnb
-from ampnb.formats import get_format
 
 K = 2
 STEPS = 5
@@ -26,19 +26,6 @@ def fresh_accelerate_state():
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-
-
-class Spike(nn.Linear):
-    def __init__(self, at: int | None) -> None:
-        super().__init__(16, 16)
-        self.at, self.calls = at, 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        self.calls += 1
-        if self.calls - 1 == self.at:
-            out = out * (4 * get_format("fp16").max)  # inf in fp16, finite in fp32
-        return out
 
 
 def _net(at: int | None = None) -> nn.Module:

@@ -10,6 +10,22 @@ from torch import nn
 import ampnb
 
 
+class Spike(nn.Linear):
+    """A Linear whose output is multiplied past fp16's max on one training step only."""
+
+    def __init__(self, at: int | None) -> None:
+        super().__init__(16, 16)
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls - 1 == self.at:
+                out = out * (4 * torch.finfo(torch.float16).max)  # |out| ~ 1: inf in fp16
+        return out
+
+
 class Blowup(nn.Module):
     """Multiplies by 1e5 when told to: past fp16's max under fp16 autocast."""
 
