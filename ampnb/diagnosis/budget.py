@@ -12,7 +12,7 @@ DEFAULT_STEPS = 15
 SAFETY = 1.25  # estimates are rough (a shared machine, a mode's first step): stay under the budget
 MIN_SECONDS = 1.0  # a budget in steps is at least this: on a toy model a step is a millisecond,
                    # less than the doctor's own set-up of one run
-ORDER = ("a plain 32-true step (the budget's unit)", "the 32-true reference step",
+ORDER = ("the 32-true reference step and two plain steps after it (the budget's unit)",
          "each mixed mode's step", "timing", "fp32 islands", "true modes' steps and multi-step checks",
          "the fp64 check", "profiles")
 _STEPS = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*steps?\s*$")

@@ -230,14 +230,6 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
                          o.train, o.batches, o.scheduler)
 
 
-def _plain_step(setup: Setup, ref: Candidate, say: Callable[[str], None]) -> float:
-    """Seconds of a plain 32-true step, the budget's unit: the faster of two, run after the
-    reference step has warmed everything up (one slow step on a shared machine would stretch
-    the whole budget)."""
-    say(f"{REFERENCE}: a plain step (the budget's unit)")
-    return min(time_steps(setup, [(ref, None, (), 2)], warmup=0)[0])
-
-
 def _cost(run: StepResult, ref: StepResult, plain: float) -> float:
     """A mode's plain step, estimated from its instrumented step against the reference's."""
     return plain * run.seconds / ref.seconds if ref.seconds > 0 else plain
@@ -252,9 +244,12 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
     say(f"{REFERENCE} (1/{n}): reference step")
     t0 = time.perf_counter()
     with expected(setup.batch, type(setup.model).__name__, setup.step is not None):
-        ref = measure(setup, cands[0], reference=True)
-    ref_wall = time.perf_counter() - t0
-    clock.plain = _plain_step(setup, cands[0], say)  # after the reference: warm, no warm-up
+        # the budget's unit: the faster of two plain steps on the reference's warm copy (one
+        # slow step on a shared machine would stretch the whole budget)
+        ref = measure(setup, cands[0], reference=True, plain=2)
+    ref_wall = time.perf_counter() - t0 - sum(ref.plain_seconds)  # the instrumented step's
+    if ref.plain_seconds:
+        clock.plain = min(ref.plain_seconds)
     if not ref.finite:
         where = f" ({ref.nonfinite.message})" if ref.nonfinite else ""
         raise ValueError(f"the {REFERENCE} step itself produced inf/NaN{where}; the doctor "

@@ -136,6 +136,7 @@ class StepResult:
     bad_weights: tuple[str, ...] = ()          # parameters the optimizer step left inf/NaN
     weights_cause: str = ""                    # why, when it is known
     lost_updates: float | None = None          # share of 32-true's updates this step lost
+    plain_seconds: tuple[float, ...] = ()      # plain steps timed after it on the same copy
     # the reference's own (empty in a candidate's result):
     grads: Mapping[str, torch.Tensor] = field(default_factory=dict)  # unscaled, on disk
     moved: dict[str, torch.Tensor] = field(default_factory=dict)   # entries its step changed
@@ -328,11 +329,12 @@ def _keep(net: nn.Module, keep: tuple[str, ...]) -> contextlib.AbstractContextMa
 
 
 def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference: bool = False,
-            ref: StepResult | None = None, local: Sequence[Candidate] = ()) -> StepResult:
+            ref: StepResult | None = None, local: Sequence[Candidate] = (), plain: int = 0
+            ) -> StepResult:
     """One instrumented step: output error and amax per module, first inf/NaN op, memory, loss,
     gradient error, and what it left in the weights, compared with `ref` (32-true's result) as
     they stream; `reference=True` keeps what the others compare against (and runs each leaf
-    alone in the `local` candidates)."""
+    alone in the `local` candidates). `plain` more steps, timed, follow on the same warm copy."""
     net, opt = _copy(setup, cand)
     scaler = cand.mode.make_scaler(setup.device)
     # the reference's weights before its step are the snapshot's (on disk): nothing to copy
@@ -364,6 +366,10 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     sizes = dict(param_bytes=_nbytes(net.parameters()),
                  grad_bytes=_nbytes(p.grad for p in net.parameters()),
                  optimizer_bytes=_nbytes(v for st in opt.state.values() for v in st.values()))
+    timed: list[float] = []
+    if step_ok:
+        for _ in range(plain):
+            _timed(setup, cand, net, opt, scaler, timed)
     del net, opt, out
     if not step_ok or unknown:
         found = hunt(setup, cand, keep, scale)
@@ -372,7 +378,7 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     result = dict(name=cand.name, loss=loss, grads_finite=grads.finite, grad_error=grads.error,
                   param_errors=grads.errors, end_to_end=rec.end_to_end, amax=rec.amax,
                   nonfinite=found, saved_bytes=meter.peak_bytes, scale=scale, seconds=seconds,
-                  **sizes, **found_left)
+                  plain_seconds=tuple(timed), **sizes, **found_left)
     if reference:  # compared with itself: no error
         rec.spill.seal()
         grads.kept.seal()

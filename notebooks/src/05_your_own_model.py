@@ -192,8 +192,8 @@ why
 # ## 5. A bigger model: the budget and the memory
 #
 # On a real model every step costs, so the doctor works to a **budget**: by default 15 plain
-# training steps of time (`budget=` also takes seconds, `"40 steps"`, or `math.inf`). It times
-# one plain 32-true step first, then runs the work in a fixed order — the 32-true reference, the
+# training steps of time (`budget=` also takes seconds, `"40 steps"`, or `math.inf`). It runs the
+# work in a fixed order — the 32-true reference (and two plain steps, the budget's unit), the
 # mixed modes, their timing, fp32 islands, the true modes with their multi-step check, the fp64
 # check, profiles — and lists what did not fit. A true mode (`bf16-true`, `16-true`) is never
 # recommended for training without its multi-step check: one step cannot show the updates that a
