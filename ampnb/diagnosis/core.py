@@ -201,10 +201,10 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
                  step: Callable[[nn.Module], Any] | None = None) -> DoctorReport:
     """The doctor on a batch, or on a step function net -> loss (what `%%amp --doctor` passes)."""
     o = options
+    clock = Clock(Budget.of(o.budget))  # from here: probing the device counts too
     _check(model, o.optimizer, o.repeat)
     _check_options(loss_fn, o.device, o.modes, o.seed, o.progress)
     tol = Tolerance.of(o.tolerance)
-    budget = Budget.of(o.budget)
     if o.scheduler is not None and (o.optimizer is None or
                                     getattr(o.scheduler, "optimizer", None) is not o.optimizer):
         raise ValueError(f"scheduler={type(o.scheduler).__name__} is not allowed; allowed: an LR "
@@ -220,7 +220,6 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     cands, skipped = candidates(o.modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     say = o.progress or Progress()
-    clock = Clock(budget)  # from here: the snapshot and its disk writes count too
     with Guard(_save, _restore), tempfile.TemporaryDirectory(prefix="ampnb-doctor-") as scratch, \
             started(model, o.optimizer, os.path.join(scratch, "start.pt")) as start, \
             set_aside(start, o.optimizer, os.path.join(scratch, "grads.pt")):
