@@ -139,3 +139,17 @@ def test_the_clock_keeps_one_plain_step_in_hand_and_lists_what_it_refuses():
     assert clock.fits(70.0, "a stage")                 # 1.25 x 70 + 10 in hand <= ~100 left
     assert not clock.fits(75.0, "the fp64 check")      # 1.25 x 75 + 10 > 100
     assert clock.left_out == ["the fp64 check (about 7.5 plain steps; 10.0 plain steps left)"]
+
+
+def test_a_budget_in_steps_is_planned_to_end_short_of_it_since_its_unit_is_measured():
+    from ampnb.diagnosis.budget import AIM, Clock
+
+    clock = Clock(Budget.of("15 steps"))
+    clock.plain = 10.0                                 # 150 s, above the tests' 60 s floor
+    assert clock.left <= AIM * 150.0
+    assert clock.fits(98.0, "a stage")                 # 1.25 x 98 + 10 <= 135
+    assert not clock.fits(102.0, "the fp64 check")     # 1.25 x 102 + 10 > 135, though < 150
+    assert "planned to end by 135 s" in clock.summary()
+    seconds = Clock(Budget.of(150))                    # seconds are the user's: all of them
+    seconds.plain = 10.0
+    assert seconds.fits(102.0, "a stage")

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 DEFAULT_STEPS = 15
 SAFETY = 1.25  # estimates are rough (a shared machine, a mode's first step): stay under the budget
+# A budget in steps is counted in a unit timed on two steps of a copy, which can be a tenth off
+# the user's own step (a shared machine, fresh pages): the doctor plans to end by this share of it
+AIM = 0.9
 MIN_SECONDS = 1.0  # a budget in steps is at least this: on a toy model a step is a millisecond,
                    # less than the doctor's own set-up of one run
 ORDER = ("the 32-true reference step and two plain steps after it (the budget's unit)",
@@ -46,6 +49,13 @@ class Budget:
         return self.seconds if self.seconds is not None else max(self.steps * plain_step,
                                                                   MIN_SECONDS)
 
+    def aim(self, plain_step: float) -> float:
+        """When the doctor plans to end: the limit, or AIM of it where the limit is in steps
+        (above the floor), whose unit is itself measured."""
+        limit = self.limit(plain_step)
+        return limit if self.seconds is not None or limit <= MIN_SECONDS else max(
+            AIM * limit, MIN_SECONDS)
+
     def describe(self, plain_step: float) -> str:
         """'15 plain steps = 12.3 s (a plain 32-true step: 0.82 s)'."""
         if self.seconds is not None and math.isinf(self.seconds):
@@ -53,7 +63,7 @@ class Budget:
         head = (f"{self.seconds:g} s" if self.seconds is not None
                 else f"{self.steps:g} plain steps = {self.steps * plain_step:.3g} s" + (
                     f", at least {MIN_SECONDS:g} s" if self.steps * plain_step < MIN_SECONDS
-                    else ""))
+                    else f", planned to end by {self.aim(plain_step):.3g} s"))
         return f"{head} (a plain 32-true step: {plain_step:.3g} s)"
 
 
@@ -72,8 +82,8 @@ class Clock:
 
     @property
     def left(self) -> float:
-        """Seconds left (inf until the plain step is measured, or with no limit)."""
-        return math.inf if math.isnan(self.plain) else self.budget.limit(self.plain) - self.spent
+        """Seconds left until the aim (inf until the plain step is measured, or with no limit)."""
+        return math.inf if math.isnan(self.plain) else self.budget.aim(self.plain) - self.spent
 
     def fits(self, seconds: float, what: str) -> bool:
         """Whether work estimated at `seconds` fits, with one plain step and the `reserve` kept
