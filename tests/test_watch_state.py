@@ -94,14 +94,15 @@ def test_a_backward_on_another_thread_is_not_counted():
     assert [r.micro_batches for r in w.records] == [1]
 
 
-def test_every_interrupt_during_a_watched_loop_reaches_the_caller_and_restores():
+@pytest.mark.parametrize("every", [1, 2])  # 2: step 1's overflow is named by a rerun
+def test_every_interrupt_during_a_watched_loop_reaches_the_caller_and_restores(every):
     def setup():
         world = _world()
         return world, _hooks(*world)
 
     def loop(state):
         (m, opt, sc), _ = state
-        run(m, opt, batches(2, blow_at=1), scaler=sc, watch={"every": 1})
+        run(m, opt, batches(2, blow_at=1), scaler=sc, watch={"every": every})
 
     def check(state):
         world, before = state

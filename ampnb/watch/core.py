@@ -1,7 +1,8 @@
 """`ampnb.watch(model, optimizer, scaler)`: one StepRecord per optimizer step of the user's loop.
 
-Hooks only, the loop unchanged: forward hooks on every module, tensor hooks on their outputs,
-the optimizer's step pre/post hooks, `scale`/`update` wrapped on the scaler instance, and
+Hooks only, the loop unchanged: a forward pre-hook on the model, forward hooks on every module
+on statistics steps (tensor hooks on their outputs; between them a non-finite forward is run
+again to name the module, see rerun.py), the optimizer's step pre/post hooks, `scale`/`update` wrapped on the scaler instance, and
 autograd's engine call (ampnb.step's) to see each backward's root, the loss. A step ends at
 `scaler.update()` when there is a scaler (a skipped step never calls optimizer.step), else at
 the optimizer's step post hook; every backward before it is one of its micro-batches.
@@ -23,7 +24,7 @@ from ampnb._interrupt import Guard, critical
 from ampnb._tree import map_tensors
 from ampnb.start import param_dtype
 from ampnb.step import _engine_in, _engine_out
-from ampnb.watch import inputs, overflow, summary
+from ampnb.watch import inputs, overflow, rerun, summary
 from ampnb.watch.hooks import Hook, StepState, module_names
 from ampnb.watch.records import StepRecord, log_path, write
 
@@ -65,6 +66,8 @@ class Watch:
         self._state: StepState | None = None
         self._scaled: set[int] = set()  # ids of what scaler.scale returned this step
         self._fresh = False  # the model ran a forward since the last backward counted
+        self._armed: list[Any] = []  # the modules' forward hooks, there on statistics steps
+        self._rerunning = False  # a non-finite forward runs again: not a step's forward
         self.rank = _rank()
         self.overflow_file: Any = None  # the file keep_overflow wrote, once it has
         self._log = log_path(log_dir, self.rank) if log_dir is not None else None
@@ -133,8 +136,7 @@ class Watch:
     def _attach(self) -> list[Callable[[], None]]:
         undo: list[Callable[[], None]] = []
         try:
-            for i, m in enumerate(self._modules):
-                undo.append(m.register_forward_hook(Hook(self._on_output, i)).remove)
+            undo.append(lambda: self._arm(False))
             undo.append(self._model.register_forward_pre_hook(
                 Hook(self._on_forward_start), with_kwargs=True).remove)
             opt = self._optimizer
@@ -174,15 +176,25 @@ class Watch:
                 setattr(obj, name, own)
         return undo
 
+    @critical
+    def _arm(self, on: bool) -> None:
+        """Hook every module's forward (statistics steps), or remove those hooks."""
+        if on and not self._armed:
+            for i, m in enumerate(self._modules):
+                self._armed.append(m.register_forward_hook(Hook(self._on_output, i)))
+        while not on and self._armed:
+            self._armed.pop().remove()
+
     # ----- what the hooks see ---------------------------------------------------------------
 
     def _current(self) -> StepState:
         if self._state is None:
             self._state = StepState(len(self._records) % self.every == 0)
+            self._arm(self._state.stats)
         return self._state
 
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not torch.is_grad_enabled():  # validation / inference: not part of a step
+        if not torch.is_grad_enabled() or self._rerunning:  # validation, inference, a rerun
             return
         s = self._current()
         self._fresh = True
@@ -190,6 +202,10 @@ class Watch:
             s.t0 = time.perf_counter()
             s.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                           if torch.is_autocast_enabled(d)]
+        if not s.stats:  # no module hooked: what a rerun of this forward needs (references)
+            if not s.calls:
+                s.call_rng = overflow.rng_states()
+            s.calls.append((args, dict(kwargs)))
         if self.keep_overflow is not None and self.overflow_file is None:
             if s.rng is None:
                 s.rng = overflow.rng_states()
@@ -199,10 +215,6 @@ class Watch:
         if not torch.is_grad_enabled():
             return
         s = self._state or self._current()
-        if not s.stats and type(out) is torch.Tensor:  # the common case, kept short
-            if out.is_floating_point():
-                s.outputs.append((i, out.detach()))
-            return
         s.on_output(i, s.stats and i in self._stat_set, args, out)
 
     def _engine(self, run: Callable[..., Any], thread: int) -> Callable[..., Any]:
@@ -215,10 +227,22 @@ class Watch:
             if s is not None:
                 floats = [r for r in roots
                           if isinstance(r, torch.Tensor) and r.is_floating_point()]
-                s.after_backward([r.detach() for r in floats],
-                                 [id(r) in self._scaled for r in floats])
+                if s.after_backward([r.detach() for r in floats],
+                                    [id(r) in self._scaled for r in floats]):
+                    s.first = (self._rerun(s), "forward")
+                s.calls, s.call_rng = [], None
             return out
         return backward
+
+    @critical
+    def _rerun(self, s: StepState) -> int | None:
+        """The micro-batch's forward again, with every module hooked: the first non-finite."""
+        self._rerunning = True
+        try:
+            return rerun.first_nonfinite_module(self._model, self._modules, s.calls, s.call_rng,
+                                                s.autocast)
+        finally:
+            self._rerunning = False
 
     def _on_backward(self) -> StepState | None:
         if not self._fresh:  # another model's backward (a copy, a GAN's other half)
@@ -315,6 +339,7 @@ class Watch:
             seconds=now - s.t0, time=time.time(),
             layers=summary.layers(s, self.names, self._stats, scale) if s.stats else ())
         self._records.append(record)
+        self._arm(len(self._records) % self.every == 0)  # ready for the next step's forward
         if self._log is not None:
             write(self._log, [record])
         if self._tb is not None:

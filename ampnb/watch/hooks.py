@@ -1,14 +1,17 @@
 """The watch's module and tensor hooks, and what one optimizer step collects through them.
 
-A healthy step stays cheap: a module's forward hook only keeps a detached reference to its
-output, for the current micro-batch; when that micro-batch's backward ends, one probe of its
-loss (a sync) says whether anything is to be looked for, and only then are the kept outputs
-probed, in the order the modules finished, to name the first non-finite one. The references are
-dropped at every backward's end. In backward, the module named is the one whose backward first
-made a non-finite gradient of its input (probed on stats steps only); on other steps, the last
-module in forward order whose own parameter gradients hold inf/NaN (an estimate: the replay
-names the op). Ranges (amax) are taken on stats steps only, as 0-dim tensors turned into floats
-once at the step's end.
+Modules are hooked on statistics steps only (one in `every`); between them a forward hook on
+every module would cost a few percent of a small model's step, so the watch keeps references
+to each micro-batch's forward calls instead, and when its loss comes out non-finite runs that
+forward again with hooks (`rerun.py`) to name the module. On statistics steps a module's forward
+hook keeps a detached reference to its output, for the current micro-batch; when that
+micro-batch's backward ends, one probe of its loss (a sync) says whether anything is to be looked
+for, and only then are the kept outputs probed, in the order the modules finished, to name the
+first non-finite one. The references are dropped at every backward's end. In backward, the
+module named is the one whose backward first made a non-finite gradient of its input (stats
+steps); on other steps, the last module in forward order whose own parameter gradients hold
+inf/NaN (an estimate: the replay names the op). Ranges (amax) are taken on stats steps only, as
+0-dim tensors turned into floats once at the step's end.
 """
 
 from __future__ import annotations
@@ -133,6 +136,8 @@ class StepState:
         self.losses: list[tuple[float, bool]] = []  # (scalar root, scaled by the loss scale)
         self.explicit: list[float] = []                    # losses given to log_loss()
         self.outputs: list[tuple[int, torch.Tensor]] = []  # this micro-batch's, finish order
+        self.calls: list[tuple[tuple, dict]] = []  # other steps: this micro-batch's forwards
+        self.call_rng: dict[str, Any] | None = None        # the RNG states before them
         self.first: tuple[int | None, str] | None = None   # first non-finite (module, phase)
         self.backward: list[tuple[int, torch.Tensor]] = []  # stats steps: input grad probes
         self.act: dict[int, torch.Tensor] = {}
@@ -172,18 +177,22 @@ class StepState:
         """The gradient of a module's input, which its backward made (stats steps): a probe."""
         self.backward.append((i, exact_probe(g)))
 
-    def after_backward(self, roots: list[torch.Tensor], scaled: list[bool]) -> None:
+    def after_backward(self, roots: list[torch.Tensor], scaled: list[bool]) -> bool:
         """A micro-batch's backward ended: a scalar root is its loss (one sync); if a root is
         non-finite, the first non-finite module output names where (none: the loss itself).
-        The outputs are dropped."""
+        The outputs are dropped. True when no outputs were kept (not a stats step): the forward
+        `calls` must run again to name the module."""
         outputs, self.outputs = self.outputs, []
         losses = [(float(r), sc) for r, sc in zip(roots, scaled) if r.numel() == 1]
         self.losses.extend(losses)
         if self.first is not None or (all(math.isfinite(v) for v, _ in losses) and first_nonfinite(
                 [r for r in roots if r.numel() != 1]) is None):
-            return
+            return False
+        if not self.stats and self.calls:
+            return True
         bad = first_nonfinite([t for _, t in outputs])
         self.first = (outputs[bad][0] if bad is not None else None, "forward")
+        return False
 
     def read_grads(self, modules: list[nn.Module], stats: list[int], divisor: float) -> None:
         """Parameter-gradient amax and fp16 flush counts per stats module (grads / divisor)."""

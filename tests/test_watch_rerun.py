@@ -1,0 +1,91 @@
+"""Between statistics steps no module is hooked; a non-finite forward there is run again to name
+the module, and the rerun leaves RNG, buffers and attributes as training left them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from watch_models import Blowup, Planted, batches, run
+
+import ampnb
+
+
+class Stateful(nn.Module):
+    """Linear -> BatchNorm -> Blowup -> Dropout -> Linear, counting its forwards in an attribute:
+    state that a second forward would change (running statistics, RNG, a counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.blowup = Blowup()
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(16, 4)
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor, blow: bool = False) -> torch.Tensor:
+        self.forwards += 1
+        return self.fc2(self.drop(self.blowup(self.norm(self.fc1(x)), blow)))
+
+
+def test_between_stats_steps_no_module_is_hooked():
+    m = Planted()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    hooked = []
+    probe = m.fc2.register_forward_pre_hook(
+        lambda mod, args: hooked.append(len(m.fc1._forward_hooks)))
+    run(m, opt, batches(4), watch={"every": 3})
+    probe.remove()
+    assert hooked == [1, 0, 0, 1]  # steps 0 and 3 are stats steps
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_forward_overflow_between_stats_steps_is_named_as_on_a_stats_step(scaled):
+    names = {}
+    for every in (1, 50):
+        m = Planted()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaled else None
+        w = run(m, opt, batches(5, blow_at=3, micro=2), scaler=scaler, watch={"every": every})
+        bad = w.records[3]
+        assert bad.nonfinite and bad.skipped == scaled
+        names[every] = (bad.first_module, bad.first_phase)
+        assert not any(r.nonfinite for r in w.records[:3])  # unscaled, NaN weights follow
+    assert names[50] == names[1] == ("blowup", "forward")
+
+
+def test_the_rerun_leaves_rng_buffers_and_attributes_as_training_left_them():
+    got = {}
+    for watched in (False, True):
+        m = Stateful()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        w = run(m, opt, batches(6, blow_at=2), scaler=scaler,
+                watch={"every": 50} if watched else None)
+        got[watched] = (m, torch.get_rng_state(), w)
+    (m0, rng0, _), (m1, rng1, w) = got[False], got[True]
+    assert w.records[2].skipped and w.records[2].first_module == "blowup"
+    assert torch.equal(rng0, rng1)
+    assert m0.forwards == m1.forwards == 6
+    for (n, a), b in zip(m0.state_dict().items(), m1.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_a_rerun_that_cannot_run_names_no_module_and_the_loop_goes_on():
+    m = Planted()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = ampnb.watch(m, opt, every=50)
+    for blow in (False, True):  # step 1 is not a stats step
+        x = torch.randn(4, 8)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = m(x, blow=blow).float().pow(2).mean()
+        x.resize_(0)  # the rerun's input is gone: it fails
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    w.close()
+    assert not w.records[0].nonfinite
+    r = w.records[1]
+    assert r.nonfinite and r.first_module == "" and r.first_phase == "forward"
