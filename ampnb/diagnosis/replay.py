@@ -11,7 +11,6 @@ not reproduced; nor is anything the loop did between micro-batches.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 from collections.abc import Callable
@@ -83,9 +82,9 @@ class Replay(TableView):
         self.micro_batch, self.nonfinite = self._hunt(data["rng"])
 
     def _forward(self, batch: Batch) -> Any:
-        with contextlib.ExitStack() as stack:  # the autocast the step's forward ran under
-            for device, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
+        from ampnb.watch.rerun import autocast_as
+
+        with autocast_as(self.autocast):  # the autocast the step's forward ran under
             return _loss(batch.call(self.model), self.loss_fn)
 
     def _step(self, batch: Batch) -> torch.Tensor:

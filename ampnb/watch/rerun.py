@@ -14,6 +14,7 @@ elsewhere, a global) may not overflow again: then no module is named.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -38,14 +39,16 @@ def _stop_at_nonfinite(i: int, module: nn.Module, args: Any, out: Any) -> None:
             raise _Found(i)
 
 
-def _autocast(stack: contextlib.ExitStack, autocast: list[tuple[str, torch.dtype]]) -> None:
-    """Autocast on each device as it was at the step's first forward (off where it was off)."""
-    wanted = dict(autocast)
-    for device in ("cpu", "cuda"):
-        if device in wanted:
-            stack.enter_context(torch.autocast(device, dtype=wanted[device]))
-        elif torch.is_autocast_enabled(device):
-            stack.enter_context(torch.autocast(device, enabled=False))
+def autocast_as(autocast: Iterable[tuple[str, torch.dtype]]) -> contextlib.ExitStack:
+    """Autocast on each device as a step's forward had it (off where it was off)."""
+    wanted, stack = dict(autocast), contextlib.ExitStack()
+    with stack:
+        for device in ("cpu", "cuda"):
+            if device in wanted:
+                stack.enter_context(torch.autocast(device, dtype=wanted[device]))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        return stack.pop_all()
 
 
 @critical  # its restore must run whole: an interrupt is held until it is done
@@ -63,8 +66,7 @@ def first_nonfinite_module(model: nn.Module, modules: list[nn.Module],
             handles.append(m.register_forward_hook(Hook(_stop_at_nonfinite, i)))
         if rng is not None:
             overflow.set_rng_states(rng)
-        with contextlib.ExitStack() as stack, torch.enable_grad():
-            _autocast(stack, autocast)
+        with autocast_as(autocast), torch.enable_grad():
             for args, kwargs in calls:
                 model(*args, **kwargs)
     except _Found as found:
