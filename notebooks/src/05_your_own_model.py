@@ -195,7 +195,7 @@ why
 # training steps of time (`budget=` also takes seconds, `"40 steps"`, or `math.inf`). It runs the
 # work in a fixed order — the 32-true reference (and two plain steps, the budget's unit), the
 # mixed modes, their timing, fp32 islands, the true modes with their multi-step check, the fp64
-# check, profiles — plans to end by 90 % of a budget in steps (the unit is itself measured), and
+# check, profiles — plans to end by nine tenths of a budget in steps (the unit is itself measured), and
 # lists what did not fit. A true mode (`bf16-true`, `16-true`) is never
 # recommended for training without its multi-step check: one step cannot show the updates that a
 # bf16 weight loses at every step.
