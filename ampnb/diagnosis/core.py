@@ -220,11 +220,13 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     cands, skipped = candidates(o.modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     say = o.progress or Progress()
+    aside = time.perf_counter()
     with Guard(_save, _restore), tempfile.TemporaryDirectory(prefix="ampnb-doctor-") as scratch, \
             started(model, o.optimizer, os.path.join(scratch, "start.pt")) as start, \
             set_aside(start, o.optimizer, os.path.join(scratch, "grads.pt")):
         setup = Setup(start, data, loss_fn, dev, o.seed, step, scratch)
-        clock.reserve = clock.spent  # putting the user's state back costs what setting it aside did
+        # putting the user's state back costs about what setting it aside did (not the probing)
+        clock.reserve = time.perf_counter() - aside
         return _diagnose(setup, cands, skipped, tol, o.repeat, o.profile, say, clock,
                          o.train, o.batches, o.scheduler)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._C._autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from ampnb._quiet import QuietProfile
@@ -62,6 +63,54 @@ class Profile(TableView):
                              f"{format_seconds(self.total_s)} of op time", notes=notes)
 
 
+@dataclass(frozen=True)
+class Op:
+    """One aten op the profiler saw: its input dtypes and shapes, and its self CPU seconds."""
+
+    name: str
+    input_dtypes: tuple[str, ...]
+    input_shapes: tuple[Any, ...]
+    self_s: float
+
+
+def _close(stack: list[list[Any]], ops: list[Op]) -> None:
+    """The event on top of the stack is done: its aten op goes to ops with its self time."""
+    _, children_ns, children, last, ev = stack.pop()
+    name, self_s = ev.name(), (ev.duration_ns() - children_ns) * 1e-9
+    if not name.startswith("aten::"):
+        return
+    if children == 1 and last == name:  # torch's _remove_dup_nodes: one op, not two
+        self_s += ops.pop().self_s
+    ops.append(Op(name, tuple(ev.dtypes()), tuple(ev.shapes()), self_s))
+
+
+def aten_ops(prof: Any) -> list[Op]:
+    """The aten ops of a finished torch.profiler run with their self times, as torch's
+    FunctionEvent tree gives them (per thread, an op's span less its direct children's; an op
+    nested once in itself, as autocast re-dispatches it, counted once), read from kineto's raw
+    events: building torch's tree costs several training steps on a transformer."""
+    ops: list[Op] = []
+    by_thread: dict[int, list[Any]] = defaultdict(list)
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == DeviceType.CPU and not e.is_async():
+            by_thread[e.start_thread_id()].append(e)
+    for events in by_thread.values():
+        events.sort(key=lambda e: (e.start_ns(), -e.duration_ns()))
+        stack: list[list[Any]] = []  # [end ns, children's ns, children, last child's name, event]
+        for e in events:
+            end = e.start_ns() + e.duration_ns()
+            while stack and stack[-1][0] < end:  # not inside the one on top: that one is done
+                _close(stack, ops)
+            if stack:
+                stack[-1][1] += e.duration_ns()
+                stack[-1][2] += 1
+                stack[-1][3] = e.name()
+            stack.append([end, 0, 0, "", e])
+        while stack:
+            _close(stack, ops)
+    return ops
+
+
 def _dtype(event: Any) -> str:
     for d in getattr(event, "input_dtypes", None) or ():
         if d in DTYPES:
@@ -87,8 +136,8 @@ def profile_run(setup: Setup, cand: Candidate, scale: float | None = None, top: 
             _step(net, opt, setup, cand, scaler)
         with QuietProfile(profile(activities=acts, record_shapes=True)) as prof:
             _step(net, opt, setup, cand, scaler)
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
-    self_s = {id(e): e.self_cpu_time_total * 1e-6 for e in events}
+    events = aten_ops(prof)
+    self_s = {id(e): e.self_s for e in events}
     by_dtype: dict[str, float] = defaultdict(float)
     per_op: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     unaligned: dict[tuple[str, tuple[int, ...]], None] = {}
