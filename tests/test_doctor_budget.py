@@ -153,3 +153,20 @@ def test_a_budget_in_steps_is_planned_to_end_short_of_it_since_its_unit_is_measu
     seconds = Clock(Budget.of(150))                    # seconds are the user's: all of them
     seconds.plain = 10.0
     assert seconds.fits(102.0, "a stage")
+
+
+def test_the_fp64_check_is_left_out_when_it_would_pass_the_memory_cap(monkeypatch):
+    """A 64-true step holds twice 32-true's bytes: it runs only under CAP times the process's
+    peak before the doctor (the user's training), else it is listed as left out, and why."""
+    from ampnb.diagnosis import memory_cap
+
+    kw = dict(modes=("32-true",), profile=False, budget=math.inf)
+    r = ampnb.doctor(Plain(), data(), CE, **kw)
+    assert "32-true's own error against 64-true" in r.fp64  # this process's peak allows it
+    cap = memory_cap.MemoryCap("cpu")
+    assert 0 < cap.now() < cap.limit and cap.fits(0)
+    monkeypatch.setattr(memory_cap, "CAP", 1e-3)
+    r = ampnb.doctor(Plain(), data(), CE, **kw)
+    assert "did not fit the memory cap" in r.fp64
+    assert any(x.startswith("the fp64 check (needs about") and "0.001x the peak memory" in x
+               for x in r.left_out)

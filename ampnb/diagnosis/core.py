@@ -26,6 +26,7 @@ from ampnb.diagnosis.errors import rel
 from ampnb.diagnosis.evidence import MIN_TIMED, ModeRow, acceptable, mode_row, underflow
 from ampnb.diagnosis.failures import expected
 from ampnb.diagnosis.layers import layer_rows
+from ampnb.diagnosis.memory_cap import MemoryCap
 from ampnb.diagnosis.profile import Profile, profile_run
 from ampnb.diagnosis.recommend import ISLAND_MODES, IslandRow, Tolerance, choose, islands
 from ampnb.diagnosis.report import DoctorReport
@@ -218,6 +219,7 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
                          "False (inference: one forward)")
     dev = get_device(next(model.parameters()).device if o.device is None else o.device).name
     cands, skipped = candidates(o.modes, dev)
+    cap = MemoryCap(dev)  # before the doctor's own copies: the peak of the user's training
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     say = o.progress or Progress()
     aside = time.perf_counter()
@@ -228,7 +230,7 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
         # putting the user's state back costs about what setting it aside did (not the probing)
         clock.reserve = time.perf_counter() - aside
         return _diagnose(setup, cands, skipped, tol, o.repeat, o.profile, say, clock,
-                         o.train, o.batches, o.scheduler)
+                         o.train, o.batches, o.scheduler, cap)
 
 
 def _cost(run: StepResult, ref: StepResult, plain: float) -> float:
@@ -238,7 +240,8 @@ def _cost(run: StepResult, ref: StepResult, plain: float) -> float:
 
 def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tolerance,
               repeat: int, profile: bool, say: Callable[[str], None], clock: Clock,
-              train: bool = True, batches: Any = None, scheduler: Any = None) -> DoctorReport:
+              train: bool = True, batches: Any = None, scheduler: Any = None,
+              cap: MemoryCap | None = None) -> DoctorReport:
     n = len(cands)
     mixed = [c for c in cands[1:] if keeps_model(c) or c.mode.is_mixed]
     true = [c for c in cands[1:] if c not in mixed]
@@ -355,8 +358,15 @@ def _diagnose(setup: Setup, cands: list[Candidate], skipped: list[str], tol: Tol
             if acceptable(row, tol.loss, tol.grad) and row.name not in checks and clock.fits(
                     2 * clock.plain, f"{row.name}: its inference check (one forward)"):
                 checks[row.name] = inference_check(setup, by_name[row.name], row.keep_fp32)
-    fp64 = _fp64_check(setup, ref) if clock.fits(3 * ref.seconds, "the fp64 check") else \
-        "64-true check: did not fit the budget"
+    # a 64-true step holds twice the bytes of 32-true's: weights, gradients, state, activations
+    cap = cap or MemoryCap(setup.device)
+    fp64_bytes = 2 * (ref.param_bytes + ref.grad_bytes + ref.optimizer_bytes + ref.saved_bytes)
+    fp64 = "64-true check: did not fit the budget"
+    if not cap.fits(fp64_bytes):
+        clock.skip("the fp64 check", cap.why(fp64_bytes))
+        fp64 = "64-true check: did not fit the memory cap"
+    elif clock.fits(3 * ref.seconds, "the fp64 check"):
+        fp64 = _fp64_check(setup, ref)
     profiles: dict[str, Profile] = {}
     if profile:
         for cand in [c for c in ran if c.label != "emulated"]:
