@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import math
 import subprocess
 import sys
 import warnings
@@ -312,3 +313,30 @@ def test_the_integrations_are_reached_from_a_plain_import_ampnb():
             "print(ampnb.integrations.lightning.PrecisionMonitor.__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["False", "PrecisionMonitor"]
+
+
+class Wrapping(pl.LightningModule):
+    """The common shape: training_step calls self.model(x), never the LightningModule itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _net(at=K)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_training_step_that_calls_its_model_directly_is_recorded():
+    monitor = PrecisionMonitor()
+    _fit(Wrapping(), [monitor])
+    records = monitor.records
+    assert [r.micro_batches for r in records] == [1] * STEPS
+    assert [r.skipped for r in records] == [s == K for s in range(STEPS)]
+    assert all(math.isfinite(r.loss) for r in records if r.step != K)
+    bad = records[K]
+    assert (bad.first_module, bad.first_phase) == ("model.boom", "forward")
+    assert not any(r.nonfinite for r in records if r.step != K)

@@ -3,6 +3,8 @@ the module, and the rerun leaves RNG, buffers and attributes as training left th
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -38,7 +40,9 @@ def test_between_stats_steps_no_module_is_hooked():
         lambda mod, args: hooked.append(len(m.fc1._forward_hooks)))
     run(m, opt, batches(4), watch={"every": 3})
     probe.remove()
-    assert hooked == [1, 0, 0, 1]  # steps 0 and 3 are stats steps
+    # fc1, a child the loop could call directly, always has the watch's entry hook; the
+    # statistics hook is there on steps 0 and 3 only
+    assert hooked == [2, 1, 1, 2]
 
 
 @pytest.mark.parametrize("scaled", [True, False])
@@ -89,3 +93,30 @@ def test_a_rerun_that_cannot_run_names_no_module_and_the_loop_goes_on():
     assert not w.records[0].nonfinite
     r = w.records[1]
     assert r.nonfinite and r.first_module == "" and r.first_phase == "forward"
+
+
+class Wrapper(nn.Module):
+    """What a LightningModule is to its model: the loop calls the child, never the wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Planted()
+
+
+@pytest.mark.parametrize("every", [1, 50])
+def test_a_loop_that_calls_a_child_of_the_watched_module_is_recorded(every, tmp_path):
+    wrapper = Wrapper()
+    opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    steps = batches(5, blow_at=3, micro=2)
+    w = ampnb.watch(wrapper, opt, scaler, every=every, keep_overflow=tmp_path)
+    with w:
+        run(wrapper.model, opt, steps, scaler=scaler)
+    assert [r.micro_batches for r in w.records] == [2] * 5
+    assert all(math.isfinite(r.loss) for k, r in enumerate(w.records) if k != 3)
+    bad = w.records[3]
+    assert bad.skipped and (bad.first_module, bad.first_phase) == ("model.blowup", "forward")
+    assert not any(r.nonfinite for k, r in enumerate(w.records) if k != 3)
+    replayed = ampnb.doctor.replay(tmp_path)
+    assert replayed.micro_batch == 0 and replayed.nonfinite.phase == "forward"
+    assert replayed.nonfinite.module == "blowup"  # named within the module the loop called

@@ -78,17 +78,19 @@ class Replay(TableView):
         self.scale: float | None = data["scale"]
         self.autocast = tuple((d, getattr(torch, dt)) for d, dt in data["autocast"])
         self.batches = tuple(Batch(tuple(a), dict(k)) for a, k in data["inputs"])
+        # the module each forward entered: the model, or a child its loop called directly
+        self.entries = tuple(model.get_submodule(e) for e in data["entries"])
         self.loss_fn = loss_fn
         self.micro_batch, self.nonfinite = self._hunt(data["rng"])
 
-    def _forward(self, batch: Batch) -> Any:
+    def _forward(self, entry: nn.Module, batch: Batch) -> Any:
         from ampnb.watch.rerun import autocast_as
 
         with autocast_as(self.autocast):  # the autocast the step's forward ran under
-            return _loss(batch.call(self.model), self.loss_fn)
+            return _loss(batch.call(entry), self.loss_fn)
 
-    def _step(self, batch: Batch) -> torch.Tensor:
-        loss = self._forward(batch)
+    def _step(self, entry: nn.Module, batch: Batch) -> torch.Tensor:
+        loss = self._forward(entry, batch)
         (loss.float() * (self.scale or 1.0)).backward()  # outside autocast, as the recipe says
         return loss
 
@@ -100,8 +102,8 @@ class Replay(TableView):
         with Guard(rng_states, set_rng_states):  # the caller's RNG is put back afterwards
             if rng is not None:
                 set_rng_states(rng)
-            for k, batch in enumerate(self.batches):
-                found = find_nonfinite(self._step, batch)
+            for k, (entry, batch) in enumerate(zip(self.entries, self.batches)):
+                found = find_nonfinite(self._step, entry, batch)
                 if found or found.op:
                     self.model.zero_grad(set_to_none=True)
                     return k, found
@@ -114,11 +116,12 @@ class Replay(TableView):
         from ampnb.diagnosis.core import doctor
         from ampnb.watch.overflow import rng_states, set_rng_states
 
-        batch = self.batches[self.micro_batch or 0]
+        k = self.micro_batch or 0
+        entry, batch = self.entries[k], self.batches[k]
         with Guard(rng_states, set_rng_states), torch.no_grad():  # does the model give a loss?
-            own = self.loss_fn is None and model_loss(batch.call(self.model)) is not None
+            own = self.loss_fn is None and model_loss(batch.call(entry)) is not None
         loss_fn = None if own else (lambda out, _targets: _loss(out, self.loss_fn))
-        return doctor(self.model, batch, loss_fn)
+        return doctor(entry, batch, loss_fn)
 
     def table(self) -> Table:
         """What was rerun and what the hunter found."""

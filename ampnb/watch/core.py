@@ -68,6 +68,11 @@ class Watch:
         self._fresh = False  # the model ran a forward since the last backward counted
         self._armed: list[Any] = []  # the modules' forward hooks, there on statistics steps
         self._rerunning = False  # a non-finite forward runs again: not a step's forward
+        self._entered: nn.Module | None = None  # the entry module whose forward runs now
+        # where a step's forward may enter: the model, or one of its children called directly
+        # (a LightningModule's training_step calling self.model(x))
+        self._entries = {id(m): name for name, m in
+                         [("", model), *model.named_children()]}
         self.rank = _rank()
         self.overflow_file: Any = None  # the file keep_overflow wrote, once it has
         self._log = log_path(log_dir, self.rank) if log_dir is not None else None
@@ -137,8 +142,11 @@ class Watch:
         undo: list[Callable[[], None]] = []
         try:
             undo.append(lambda: self._arm(False))
-            undo.append(self._model.register_forward_pre_hook(
-                Hook(self._on_forward_start), with_kwargs=True).remove)
+            for m in [self._model, *self._model.children()]:
+                undo.append(m.register_forward_pre_hook(
+                    Hook(self._on_forward_start), with_kwargs=True).remove)
+                undo.append(m.register_forward_hook(Hook(self._on_forward_end),
+                                                    always_call=True).remove)
             opt = self._optimizer
             undo.append(opt.register_step_pre_hook(Hook(self._pre_step)).remove)
             undo.append(opt.register_step_post_hook(Hook(self._post_step)).remove)
@@ -194,8 +202,10 @@ class Watch:
         return self._state
 
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not torch.is_grad_enabled() or self._rerunning:  # validation, inference, a rerun
-            return
+        if self._entered is not None or not torch.is_grad_enabled() or self._rerunning:
+            return  # inside the entry's forward; validation, inference; a rerun
+        self._entered = module
+        entry = self._entries[id(module)]
         s = self._current()
         self._fresh = True
         if math.isnan(s.t0):
@@ -205,11 +215,16 @@ class Watch:
         if not s.stats:  # no module hooked: what a rerun of this forward needs (references)
             if not s.calls:
                 s.call_rng = overflow.rng_states()
-            s.calls.append((args, dict(kwargs)))
+            s.calls.append((module, args, dict(kwargs)))
         if self.keep_overflow is not None and self.overflow_file is None:
             if s.rng is None:
                 s.rng = overflow.rng_states()
             s.inputs.append(map_tensors(lambda t: t.detach(), (args, dict(kwargs))))
+            s.entries.append(entry)
+
+    def _on_forward_end(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._entered is module:
+            self._entered = None
 
     def _on_output(self, i: int, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.is_grad_enabled():
@@ -314,7 +329,7 @@ class Watch:
         scaler = self._scaler.state_dict() if self._scaler is not None else None
         self.overflow_file = overflow.save(
             self.keep_overflow, step=len(self._records), inputs=s.inputs, rng=s.rng,
-            autocast=s.autocast, model=self._model, optimizer=self._optimizer, scaler=scaler,
+            entries=s.entries, autocast=s.autocast, model=self._model, optimizer=self._optimizer, scaler=scaler,
             scale=scale, loss=s.loss(scale))
 
     def _finish(self, scale: float | None, skipped: bool) -> None:

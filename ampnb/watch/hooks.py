@@ -136,7 +136,8 @@ class StepState:
         self.losses: list[tuple[float, bool]] = []  # (scalar root, scaled by the loss scale)
         self.explicit: list[float] = []                    # losses given to log_loss()
         self.outputs: list[tuple[int, torch.Tensor]] = []  # this micro-batch's, finish order
-        self.calls: list[tuple[tuple, dict]] = []  # other steps: this micro-batch's forwards
+        self.calls: list[tuple[nn.Module, tuple, dict]] = []  # other steps: this micro-batch's
+        # forwards, each (the module entered, its args, its kwargs)
         self.call_rng: dict[str, Any] | None = None        # the RNG states before them
         self.first: tuple[int | None, str] | None = None   # first non-finite (module, phase)
         self.backward: list[tuple[int, torch.Tensor]] = []  # stats steps: input grad probes
@@ -148,6 +149,7 @@ class StepState:
         self.grads_read = False
         self.grads_finite: bool | None = None
         self.inputs: list[tuple[tuple, dict]] = []        # keep_overflow: this step's batches
+        self.entries: list[str] = []                       # ... and the module each entered
         self.rng: dict[str, Any] | None = None
         self.autocast: list[tuple[str, torch.dtype]] = []
         self.before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None

@@ -1,9 +1,9 @@
 """keep_overflow: what the watch saves of the first overflowing step, so replay can rerun it.
 
-One file written with torch.save: the step's micro-batches (the model's forward inputs), the
-RNG states at its first forward, the autocast that was on, the model (pickled when it can be)
-and its state_dict, the optimizer's state_dict and the scaler's state, all as they were
-before the step's update.
+One file written with torch.save: the step's micro-batches (the forward inputs of the model, or
+of the child of it that the loop called, named in "entries"), the RNG states at its first
+forward, the autocast that was on, the model (pickled when it can be) and its state_dict, the
+optimizer's state_dict and the scaler's state, all as they were before the step's update.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 FILE_NAME = "overflow.pt"
-FORMAT = 1
+FORMAT = 2
 
 
 def target(path: str | os.PathLike) -> Path:
@@ -63,7 +63,8 @@ def _pickled(model: nn.Module) -> bytes | None:
     return buf.getvalue()
 
 
-def save(path: str | os.PathLike, *, step: int, inputs: list, rng: dict[str, Any] | None,
+def save(path: str | os.PathLike, *, step: int, inputs: list, entries: list[str],
+         rng: dict[str, Any] | None,
          autocast: list[tuple[str, torch.dtype]], model: nn.Module,
          optimizer: torch.optim.Optimizer, scaler: dict[str, Any] | None,
          scale: float | None, loss: float) -> Path:
@@ -74,6 +75,7 @@ def save(path: str | os.PathLike, *, step: int, inputs: list, rng: dict[str, Any
         "format": FORMAT,
         "step": step,
         "inputs": inputs,
+        "entries": entries,  # the module each forward entered ("": the model itself)
         "rng": rng,
         "autocast": [(d, str(dt).removeprefix("torch.")) for d, dt in autocast],
         "model": _pickled(model),
