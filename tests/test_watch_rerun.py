@@ -120,3 +120,39 @@ def test_a_loop_that_calls_a_child_of_the_watched_module_is_recorded(every, tmp_
     replayed = ampnb.doctor.replay(tmp_path)
     assert replayed.micro_batch == 0 and replayed.nonfinite.phase == "forward"
     assert replayed.nonfinite.module == "blowup"  # named within the module the loop called
+
+
+def test_a_forward_interrupted_by_the_user_does_not_hide_the_next_one():
+    """torch runs no forward hook after a KeyboardInterrupt, so the entry's end is never seen:
+    the next forward is still a step's, and a rerun of its overflow names the module."""
+
+    class Stop(nn.Module):
+        armed = False
+
+        def forward(self, x):
+            if self.armed:
+                raise KeyboardInterrupt
+            return x
+
+    for watched_is_wrapper in (False, True):  # the loop calls the watched module / its child
+        wrapper = Wrapper()
+        wrapper.model.act = Stop()
+        opt = torch.optim.SGD(wrapper.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        w = ampnb.watch(wrapper if watched_is_wrapper else wrapper.model, opt, scaler, every=50)
+        for step, blow in enumerate((False, True)):  # step 1 is not a stats step
+            if step == 1:
+                wrapper.model.act.armed = True
+                with pytest.raises(KeyboardInterrupt):
+                    wrapper.model(torch.randn(4, 8))
+                wrapper.model.act.armed = False
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = wrapper.model(torch.randn(4, 8), blow=blow).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        w.close()
+        bad = w.records[1]
+        assert bad.skipped and bad.first_phase == "forward"
+        assert bad.first_module == ("model.blowup" if watched_is_wrapper else "blowup")

@@ -202,20 +202,25 @@ class Watch:
         return self._state
 
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._entered is not None or not torch.is_grad_enabled() or self._rerunning:
-            return  # inside the entry's forward; validation, inference; a rerun
+        # inside another entry's forward (the model's, calling its children); validation,
+        # inference; a rerun. The same entry again is a new call: its end hook, which torch runs
+        # on exceptions but not on a KeyboardInterrupt, may not have run
+        if (self._entered is not None and self._entered is not module
+                or not torch.is_grad_enabled() or self._rerunning):
+            return
         self._entered = module
         entry = self._entries[id(module)]
         s = self._current()
         self._fresh = True
+        autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+                    if torch.is_autocast_enabled(d)]
         if math.isnan(s.t0):
             s.t0 = time.perf_counter()
-            s.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-                          if torch.is_autocast_enabled(d)]
+            s.autocast = autocast
         if not s.stats:  # no module hooked: what a rerun of this forward needs (references)
             if not s.calls:
                 s.call_rng = overflow.rng_states()
-            s.calls.append((module, args, dict(kwargs)))
+            s.calls.append((module, args, dict(kwargs), autocast))
         if self.keep_overflow is not None and self.overflow_file is None:
             if s.rng is None:
                 s.rng = overflow.rng_states()
@@ -254,8 +259,7 @@ class Watch:
         """The micro-batch's forward again, with every module hooked: the first non-finite."""
         self._rerunning = True
         try:
-            return rerun.first_nonfinite_module(self._model, self._modules, s.calls, s.call_rng,
-                                                s.autocast)
+            return rerun.first_nonfinite_module(self._model, self._modules, s.calls, s.call_rng)
         finally:
             self._rerunning = False
 

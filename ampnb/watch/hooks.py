@@ -136,8 +136,8 @@ class StepState:
         self.losses: list[tuple[float, bool]] = []  # (scalar root, scaled by the loss scale)
         self.explicit: list[float] = []                    # losses given to log_loss()
         self.outputs: list[tuple[int, torch.Tensor]] = []  # this micro-batch's, finish order
-        self.calls: list[tuple[nn.Module, tuple, dict]] = []  # other steps: this micro-batch's
-        # forwards, each (the module entered, its args, its kwargs)
+        self.calls: list[tuple[nn.Module, tuple, dict, list]] = []  # other steps: this
+        # micro-batch's forwards, each (the module entered, its args, its kwargs, its autocast)
         self.call_rng: dict[str, Any] | None = None        # the RNG states before them
         self.first: tuple[int | None, str] | None = None   # first non-finite (module, phase)
         self.backward: list[tuple[int, torch.Tensor]] = []  # stats steps: input grad probes

@@ -53,11 +53,11 @@ def autocast_as(autocast: Iterable[tuple[str, torch.dtype]]) -> contextlib.ExitS
 
 @critical  # its restore must run whole: an interrupt is held until it is done
 def first_nonfinite_module(model: nn.Module, modules: list[nn.Module],
-                           calls: list[tuple[nn.Module, tuple, dict]],
-                           rng: dict[str, Any] | None,
-                           autocast: list[tuple[str, torch.dtype]]) -> int | None:
+                           calls: list[tuple[nn.Module, tuple, dict, list]],
+                           rng: dict[str, Any] | None) -> int | None:
     """Index (in `modules`) of the first module whose output holds inf/NaN when the forward
-    `calls` (module, args, kwargs) run again from the RNG states `rng`; None when none does."""
+    `calls` (module, args, kwargs, the autocast on at the call) run again from the RNG states
+    `rng`; None when none does."""
     now = overflow.rng_states()
     buffers = [(b, b.clone()) for b in model.buffers()]
     attrs = [(m, {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in modules]
@@ -67,9 +67,10 @@ def first_nonfinite_module(model: nn.Module, modules: list[nn.Module],
             handles.append(m.register_forward_hook(Hook(_stop_at_nonfinite, i)))
         if rng is not None:
             overflow.set_rng_states(rng)
-        with autocast_as(autocast), torch.enable_grad():
-            for module, args, kwargs in calls:
-                module(*args, **kwargs)
+        with torch.enable_grad():
+            for module, args, kwargs, autocast in calls:
+                with autocast_as(autocast):
+                    module(*args, **kwargs)
     except _Found as found:
         return found.index
     except Exception:  # noqa: BLE001 - the rerun only names a module; it must not break the loop
