@@ -179,7 +179,8 @@ def test_profile_step_splits_op_time_by_dtype():
 def test_restore_pops_a_dispatch_mode_left_behind():
     """The safety net: a mode pushed inside torch's set-up and never popped is popped on exit."""
     from ampnb._interrupt import Guard
-    from ampnb.diagnosis.core import _restore, _save
+    from ampnb.diagnosis.safety import restore_state as _restore
+    from ampnb.diagnosis.safety import save_state as _save
     from ampnb.fp16_kernels import Fp16KernelEmulation
 
     state = snapshot()

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +15,9 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import Guard
-from ampnb._kernels import drop_overrides, live_overrides
 from ampnb.batch import as_batch
-from ampnb.device import get_device, restore_tf32, tf32_state
+from ampnb.device import get_device
+from ampnb.diagnosis.arguments import check_model, check_options
 from ampnb.diagnosis.budget import Budget, Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidates
 from ampnb.diagnosis.code import code
@@ -38,6 +37,7 @@ from ampnb.diagnosis.run import (
     measure,
     time_steps,
 )
+from ampnb.diagnosis.safety import restore_state, save_state
 from ampnb.diagnosis.training import (
     TRAIN_STEPS,
     TrainCheck,
@@ -56,7 +56,6 @@ SLOW = 4.0  # a candidate whose instrumented step took 4x the reference's is tim
 # (fp16 GEMMs, TF32, FP8) under 2x
 COST_GUESS = {"native": 1.0, "slow": 2.5, "emulated": 2.0}
 MAX_RERUNS_SAID = 2  # fewer island reruns than this left: the search is listed as not fitting
-MAX_REPEAT = 100  # timed steps per mode: more says nothing new and can run for hours
 
 
 class Progress:
@@ -68,75 +67,6 @@ class Progress:
     def __call__(self, text: str) -> None:
         if time.perf_counter() - self.start > self.after:
             print(f"ampnb.doctor: {text}", file=sys.stderr, flush=True)
-
-
-def _save() -> tuple:
-    return (torch.get_default_dtype(), tf32_state(), torch.is_grad_enabled(),
-            len(_dispatch_stack()), live_overrides())
-
-
-def _restore(saved: tuple) -> None:
-    """Safety net under the with-blocks: what an interrupt inside torch's own set-up could leave."""
-    dtype, tf32, grad, depth, overrides = saved
-    torch.set_default_dtype(dtype)
-    restore_tf32(tf32)
-    torch.set_grad_enabled(grad)
-    drop_overrides(keep=overrides)  # kernel overrides never handed back (their modes, on old torch)
-    while len(_dispatch_stack()) > depth:  # a dispatch mode pushed but never popped
-        _pop_mode()
-
-
-def _dispatch_stack() -> list:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return _get_current_dispatch_mode_stack()
-
-
-def _pop_mode() -> None:
-    from torch.utils._python_dispatch import _pop_mode
-
-    _pop_mode()
-
-
-def _check(model: Any, optimizer: Any, repeat: int) -> None:
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"doctor needs an nn.Module, got {type(model).__name__}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"{type(model).__name__} has no trainable parameters to train a step of")
-    allowed = "allowed: an optimizer instance over the model's parameters, or None (AdamW)"
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        name = getattr(optimizer, "__name__", type(optimizer).__name__)
-        raise ValueError(f"optimizer={name} is not allowed; {allowed}")
-    if optimizer is not None:
-        own = {id(p) for p in model.parameters()}
-        if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError(f"optimizer={type(optimizer).__name__} holds parameters that are "
-                             f"not the model's; {allowed}")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or not 1 <= repeat <= MAX_REPEAT:
-        raise ValueError(f"repeat={repeat!r} is not allowed; allowed: an integer from 1 to "
-                         f"{MAX_REPEAT} (timed steps per mode)")
-
-
-def _check_options(loss_fn: Any, device: Any, modes: Any, seed: Any, progress: Any = None) -> None:
-    """The doctor's other arguments: each named with what is allowed."""
-    for name, value, ok, allowed in (
-            ("loss_fn", loss_fn, loss_fn is None or callable(loss_fn),
-             "a callable loss_fn(output, targets) such as nn.functional.mse_loss, or None (the "
-             "model's own loss)"),
-            ("device", device, device is None or (isinstance(device, (str, torch.device)) and
-                                                  str(device).strip() != ""),
-             "a device name such as 'cpu' or 'cuda:0', or None (the model's device)"),
-            ("modes", modes, modes is None or isinstance(modes, str) or (
-                isinstance(modes, Iterable) and not isinstance(modes, Mapping)),
-             "mode names as 'a,b' or a list such as ['32-true', 'bf16-mixed'], or None (every "
-             "mode)"),
-            ("seed", seed, isinstance(seed, numbers.Integral) and not isinstance(seed, bool),
-             "an integer"),
-            ("progress", progress, progress is None or callable(progress),
-             "a callable taking one line of text, or None (stderr after a second)")):
-        if not ok:
-            shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
-            raise ValueError(f"{name}={shown} is not allowed; allowed: {allowed}")
 
 
 def _fp64_check(setup: Setup, ref: StepResult) -> str:
@@ -205,8 +135,8 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     """The doctor on a batch, or on a step function net -> loss (what `%%amp --doctor` passes)."""
     o = options
     clock = Clock(Budget.of(o.budget))  # from here: probing the device counts too
-    _check(model, o.optimizer, o.repeat)
-    _check_options(loss_fn, o.device, o.modes, o.seed, o.progress)
+    check_model(model, o.optimizer, o.repeat)
+    check_options(loss_fn, o.device, o.modes, o.seed, o.progress)
     tol = Tolerance.of(o.tolerance)
     if o.scheduler is not None and (o.optimizer is None or
                                     getattr(o.scheduler, "optimizer", None) is not o.optimizer):
@@ -225,7 +155,7 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     say = o.progress or Progress()
     aside = time.perf_counter()
-    with Guard(_save, _restore), tempfile.TemporaryDirectory(prefix="ampnb-doctor-") as scratch, \
+    with Guard(save_state, restore_state), tempfile.TemporaryDirectory(prefix="ampnb-doctor-") as scratch, \
             started(model, o.optimizer, os.path.join(scratch, "start.pt")) as start, \
             set_aside(start, o.optimizer, os.path.join(scratch, "grads.pt")):
         setup = Setup(start, data, loss_fn, dev, o.seed, step, scratch)

@@ -52,15 +52,16 @@ def profile_step(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | Non
                  modes: Iterable[str] | str | None = ("32-true", "bf16-mixed", "16-mixed"),
                  seed: int = 0, step: Callable[[nn.Module], Any] | None = None) -> Profiles:
     """Profile one training step per mode on a copy: op time by dtype, casts, unaligned matmuls."""
-    from ampnb.diagnosis.core import _check, _check_options, _restore, _save
+    from ampnb.diagnosis.arguments import check_model, check_options
+    from ampnb.diagnosis.safety import restore_state, save_state
 
-    _check(model, optimizer, 1)
-    _check_options(loss_fn, device, modes, seed)
+    check_model(model, optimizer, 1)
+    check_options(loss_fn, device, modes, seed)
     dev = get_device(next(model.parameters()).device if device is None else device).name
     cands, _ = candidates(modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     found = []
-    with Guard(_save, _restore), started(model, optimizer) as start:
+    with Guard(save_state, restore_state), started(model, optimizer) as start:
         setup = Setup(start, data, loss_fn, dev, seed, step)
         name = type(model).__name__
         for i, cand in enumerate(cands):  # the reference first: torch's errors explained there
