@@ -32,12 +32,13 @@ class MemoryCap:
     reached when the doctor started."""
 
     def __init__(self, device: str) -> None:
-        self.cuda = torch.device(device).type == "cuda"
-        self.limit = CAP * (torch.cuda.max_memory_allocated() if self.cuda
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.limit = CAP * (torch.cuda.max_memory_allocated(self.device) if self.cuda
                             else max(_peak_bytes(), _resident_bytes()))  # the peak lags a little
 
     def now(self) -> int:
-        return torch.cuda.memory_allocated() if self.cuda else _resident_bytes()
+        return torch.cuda.memory_allocated(self.device) if self.cuda else _resident_bytes()
 
     def fits(self, extra: int) -> bool:
         return self.now() + extra <= self.limit

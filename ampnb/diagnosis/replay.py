@@ -90,8 +90,14 @@ class Replay(TableView):
             return _loss(batch.call(entry), self.loss_fn)
 
     def _step(self, entry: nn.Module, batch: Batch) -> torch.Tensor:
+        from ampnb.modes import get_mode
+
         loss = self._forward(entry, batch)
-        (loss.float() * (self.scale or 1.0)).backward()  # outside autocast, as the recipe says
+        # the step's backward (outside autocast): the mode's hook scales the loss, as the
+        # kept step's GradScaler did, at the scale it ran at
+        scaler = None if self.scale is None else torch.amp.GradScaler(
+            loss.device.type, init_scale=self.scale)
+        get_mode("32-true" if scaler is None else "16-mixed").backward(loss.float(), scaler)
         return loss
 
     def _hunt(self, rng: dict[str, Any] | None) -> tuple[int | None, Any]:

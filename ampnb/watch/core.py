@@ -23,7 +23,7 @@ from ampnb import _interrupt
 from ampnb._interrupt import Guard, critical
 from ampnb._tree import map_tensors
 from ampnb.start import param_dtype
-from ampnb.step import _engine_in, _engine_out
+from ampnb.step import _AUTOCAST_DEVICES, _engine_in, _engine_out
 from ampnb.watch import inputs, overflow, rerun, summary
 from ampnb.watch.hooks import Hook, StepState, module_names
 from ampnb.watch.records import StepRecord, log_path, write
@@ -209,10 +209,9 @@ class Watch:
                 or not torch.is_grad_enabled() or self._rerunning):
             return
         self._entered = module
-        entry = self._entries[id(module)]
         s = self._current()
         self._fresh = True
-        autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+        autocast = [(d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
                     if torch.is_autocast_enabled(d)]
         if math.isnan(s.t0):
             s.t0 = time.perf_counter()
@@ -225,7 +224,7 @@ class Watch:
             if s.rng is None:
                 s.rng = overflow.rng_states()
             s.inputs.append(map_tensors(lambda t: t.detach(), (args, dict(kwargs))))
-            s.entries.append(entry)
+            s.entries.append(self._entries[id(module)])
 
     def _on_forward_end(self, module: nn.Module, args: Any, out: Any) -> None:
         if self._entered is module:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import critical
+from ampnb.step import _AUTOCAST_DEVICES
 from ampnb.watch import overflow
 from ampnb.watch.hooks import Hook, float_outputs
 
@@ -43,7 +44,7 @@ def autocast_as(autocast: Iterable[tuple[str, torch.dtype]]) -> contextlib.ExitS
     """Autocast on each device as a step's forward had it (off where it was off)."""
     wanted, stack = dict(autocast), contextlib.ExitStack()
     with stack:
-        for device in ("cpu", "cuda"):
+        for device in _AUTOCAST_DEVICES:
             if device in wanted:
                 stack.enter_context(torch.autocast(device, dtype=wanted[device]))
             elif torch.is_autocast_enabled(device):
