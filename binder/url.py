@@ -30,7 +30,7 @@ Binder builds a public repository from where it is hosted, so a launch link need
 To open the tutorials on Binder:
   1. push this repository (your fork) to GitHub;
   2. run `make binder-url` in a checkout whose `origin` is that GitHub repository
-     (`git remote add origin https://github.com/<you>/<repository>.git`), or fill in the form
+     (`{git_remote} https://github.com/<you>/<repository>.git`), or fill in the form
      at https://mybinder.org: GitHub repository <you>/<repository>, URL to open `/lab/tree/{notebook}`.
 Binder installs binder/requirements.txt (a CPU-only torch and this package); `make binder-check`
 runs every notebook in such an environment here first."""
@@ -61,7 +61,9 @@ def explain(remote: str | None) -> str:
     """Why there is no link for this remote, and how to get one."""
     why = ("this checkout has no `origin` remote" if remote is None
            else f"`origin` ({CREDENTIALS.sub('', remote)}) is not a GitHub repository")
-    return HOW_TO.format(why=why, notebook=NOTEBOOK)
+    # `origin` exists when it has a URL: it is pointed elsewhere, not added a second time.
+    git_remote = "git remote add origin" if remote is None else "git remote set-url origin"
+    return HOW_TO.format(why=why, notebook=NOTEBOOK, git_remote=git_remote)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -282,3 +282,16 @@ def test_a_fresh_venv_from_binder_requirements_alone_runs_every_notebook(tmp_pat
     print(f"\nbinder-check: {summary}; peak RSS {peak / 2**20:.0f} MiB (largest process)")
     assert rc == 0, f"nbval in Binder's environment failed:\n{log.read_text()[-6000:]}"
     assert peak <= BINDER_MEMORY, f"peak RSS {peak / 2**20:.0f} MiB > Binder's 2 GB"
+
+
+@pytest.mark.parametrize("existing", [None, "https://gitlab.example/team/ampnb.git"])
+def test_the_git_command_binder_url_advises_works_in_that_checkout(tmp_path, existing):
+    _git("init", "-q", cwd=tmp_path)
+    if existing:
+        _git("remote", "add", "origin", existing, cwd=tmp_path)
+    advice = url.explain(url.origin(tmp_path))
+    (command,) = re.findall(r"`(git remote [^`]+)`", advice)
+    fork = "https://github.com/someone/ampnb.git"
+    _git(*shlex.split(command.replace("https://github.com/<you>/<repository>.git", fork))[1:],
+         cwd=tmp_path)  # fails as `git remote add origin` would where origin exists
+    assert url.github_repo(url.origin(tmp_path)) == "someone/ampnb"
