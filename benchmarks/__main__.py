@@ -1,4 +1,8 @@
-"""Run every benchmarks/bench_*.py (or those named on the command line) and print one table."""
+"""Run every benchmarks/bench_*.py (or those named on the command line) and print one table.
+
+    python -m benchmarks              # all of them
+    python -m benchmarks fp16 watch   # bench_fp16.py and bench_watch.py (`bench_fp16` works too)
+"""
 
 from __future__ import annotations
 
@@ -12,16 +16,32 @@ from benchmarks import results
 from benchmarks._common import Result
 
 
-def _modules(selected: list[str]) -> list[str]:
-    names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
-                   if m.name.startswith("bench_"))
-    return [n for n in names if not selected or any(s in n for s in selected)]
+def available() -> list[str]:
+    """The benchmark modules, as `python -m benchmarks` names them (bench_fp16.py is `fp16`)."""
+    return sorted(m.name.removeprefix("bench_") for m in pkgutil.iter_modules(benchmarks.__path__)
+                  if m.name.startswith("bench_"))
+
+
+def modules(selected: list[str]) -> list[str]:
+    """The modules named exactly (`fp16` or `bench_fp16`), all when none; ValueError otherwise."""
+    names = available()
+    wanted = [s.removeprefix("bench_") for s in selected] or names
+    unknown = [s for s in wanted if s not in names]
+    if unknown:
+        raise ValueError(f"no benchmark named {', '.join(map(repr, unknown))}; "
+                         f"the benchmarks are: {', '.join(names)}")
+    return [f"bench_{n}" for n in dict.fromkeys(wanted)]
 
 
 def main(argv: list[str]) -> int:
+    try:
+        chosen = modules(argv)
+    except ValueError as error:
+        print(f"python -m benchmarks: {error}", file=sys.stderr)
+        return 2
     rows: list[Result] = []
     by_module: dict[str, list[Result]] = {}
-    for name in _modules(argv):
+    for name in chosen:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         try:
             found = importlib.import_module(f"benchmarks.{name}").run()
