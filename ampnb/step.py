@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.variable import Variable
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampnb._interrupt import Guard
@@ -80,12 +81,13 @@ def _autocast_off_backward(run_backward: Callable[..., Any], thread: int) -> Cal
         on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
         if not on:
             return run_backward(*args, **kwargs)
+        # the forward's cached casts end where its backward starts (leaving the recipe's
+        # autocast region drops them): the update that follows would make them stale
+        torch.clear_autocast_cache()
         with contextlib.ExitStack() as stack:
             for d in on:
                 stack.enter_context(torch.autocast(d, enabled=False))
-            out = run_backward(*args, **kwargs)
-        torch.clear_autocast_cache()  # the update that follows makes cached copies stale
-        return out
+            return run_backward(*args, **kwargs)
 
     return run
 
@@ -141,17 +143,39 @@ def _clear_cache(*_: Any) -> None:
     torch.clear_autocast_cache()
 
 
-def fresh_autocast_weights() -> Guard:
-    """No autocast-cached weight copy outlives an update: the region caches nothing, and every
-    optimizer.step() drops what a nested torch.autocast region of the user's cached."""
-    def enter() -> tuple[bool, Any]:
-        previous = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-        return previous, register_optimizer_step_post_hook(_clear_cache)
+class _Versions:
+    """A global forward pre-hook: a module whose parameters were changed in place since their
+    cast was cached (`w.add_(1)` between two forwards) drops the cache, as leaving the recipe's
+    region would have; an unchanged weight keeps its one cast (a weight used twice)."""
 
-    def exit(state: tuple[bool, Any]) -> None:
-        previous, handle = state
-        handle.remove()
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            # a Tensor's version counter is the one thing an in-place write always changes
+            if self.seen.get(id(p), p._version) != p._version:
+                torch.clear_autocast_cache()
+                self.seen.clear()
+            self.seen[id(p)] = p._version
+
+
+def fresh_autocast_weights() -> Guard:
+    """The recipe's autocast cache: a leaf weight is cast once from a forward's first op to the
+    start of its backward (`backward_outside_autocast` clears it there), and no cached copy
+    outlives an in-place update (optimizer.step(), or a module's weight written in place)."""
+    def enter() -> tuple[bool, Any, Any]:
+        previous = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(True)
+        torch.clear_autocast_cache()  # nothing cached before the cell is the cell's
+        return (previous, register_optimizer_step_post_hook(_clear_cache),
+                register_module_forward_pre_hook(_Versions()))
+
+    def exit(state: tuple[bool, Any, Any]) -> None:
+        previous, step_hook, forward_hook = state
+        forward_hook.remove()
+        step_hook.remove()
+        torch.clear_autocast_cache()
         torch.set_autocast_cache_enabled(previous)
 
     return Guard(enter, exit)

@@ -178,3 +178,44 @@ def test_a_shape_error_in_emulated_fp16_kernels_ends_in_the_users_code(ip):
     frames = [line for line in shown.splitlines() if line.startswith("File ")]
     assert frames and "ampnb" not in frames[-1] and "torch" in frames[-1], frames
     ip.user_ns.pop("bad", None)
+
+
+def test_a_weight_used_twice_gets_the_recipes_gradient(ip):
+    """The recipe casts a weight once per autocast region: the two uses' bf16 gradients are summed
+    before the cast back; the cell caches the cast the same way, from forward to backward."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(16, 16), torch.randn(8, 16)
+    ref = copy.deepcopy(lin)
+    ip.user_ns.update(two=lin, xs=x)
+    amp(ip, "bf16-mixed", "(two(xs) * two(3 * xs)).sum().backward()\n")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = (ref(x) * ref(3 * x)).sum()
+    loss.backward()
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+    assert torch.equal(lin.bias.grad, ref.bias.grad)
+    for name in ("two", "xs"):
+        ip.user_ns.pop(name, None)
+
+
+def test_a_loop_reusing_a_weight_matches_the_recipe_bit_for_bit(ip):
+    torch.manual_seed(0)
+    lin, x = nn.Linear(16, 16), torch.randn(8, 16)
+    ref = copy.deepcopy(lin)
+    ip.user_ns.update(two=lin, xs=x)
+    cell = ("opt = torch.optim.SGD(two.parameters(), lr=0.01)\n"
+            "for _ in range(3):\n"
+            "    opt.zero_grad()\n"
+            "    (two(xs) * two(3 * xs)).float().pow(2).mean().backward()\n"
+            "    opt.step()\n")
+    amp(ip, "bf16-mixed", cell)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (ref(x) * ref(3 * x)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+    for p, q in zip(lin.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for name in ("two", "xs"):
+        ip.user_ns.pop(name, None)
