@@ -7,21 +7,10 @@ submodule such as `ampnb.watch.records`).
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any
-
+from ampnb._lazy import callable_package
 from ampnb.watch.core import Watch, watch
 from ampnb.watch.records import LayerStats, StepRecord, read_log
 
 __all__ = ["LayerStats", "StepRecord", "Watch", "read_log", "watch"]
 
-
-class _CallableModule(types.ModuleType):
-    """This package, callable as `ampnb.watch(...)`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Watch:
-        return watch(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+callable_package(__name__, watch)  # ampnb.watch(...) with watch's own signature and docstring
