@@ -111,6 +111,29 @@ def first_line(e: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+_AMPNB_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def raised_at(e: BaseException) -> str:
+    """Where the user's code raised e: 'forward, model.py:12' (its innermost frame outside
+    torch and ampnb), or '' when none is."""
+    tb, found = e.__traceback__, ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith((TORCH_DIR, _AMPNB_DIR)):
+            found = f"{code.co_name}, {os.path.basename(code.co_filename)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
+
+
+def failure(e: BaseException, limit: int = 200) -> str:
+    """first_line(e), then where the user's code raised it: 'RuntimeError: ... (at forward,
+    model.py:12)'; the message is shortened first, so the place always shows."""
+    at = raised_at(e)
+    suffix = f" (at {at})" if at else ""
+    return first_line(e, max(40, limit - len(suffix))) + suffix
+
+
 class _Shape(str):
     __repr__ = str.__str__  # shown bare inside a container's repr
 

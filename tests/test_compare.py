@@ -130,7 +130,9 @@ def test_a_failing_mode_gets_a_failed_row_and_the_others_are_measured():
     assert _state.snapshot() == before
     assert c.labels == ("32-true", "16-mixed + TF32 emulate", "bf16-mixed + TF32 emulate")
     bad = c.row("16-mixed")
-    assert bad.failed and bad.note == "failed: RuntimeError: oneDNN refuses fp16"
+    line = work.__code__.co_firstlineno + 2  # the raise: the row says where the user's code raised
+    assert bad.failed and bad.note == (f"failed: RuntimeError: oneDNN refuses fp16 "
+                                       f"(at work, test_compare.py:{line})")
     assert bad.times == () and math.isnan(bad.seconds)
     good = c.row("bf16-mixed")
     assert not good.failed and len(good.times) == 2 and good.result_dtypes == ("bfloat16",)

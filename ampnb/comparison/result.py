@@ -43,6 +43,7 @@ class Comparison(TableView):
     repeat: int
     warmup: int
     rows: tuple[Row, ...]
+    why: str = ""  # why the device was chosen, e.g. "where the model's parameters are"
 
     @property
     def reference(self) -> Row:
@@ -73,7 +74,8 @@ class Comparison(TableView):
                          format_bytes(r.saved_bytes), format_bytes(r.peak_bytes),
                          _err(r.max_abs_error), _err(r.rel_error), ", ".join(r.result_dtypes) or "-"]
             rows.append((*cells, r.note) if noted else tuple(cells))
-        caption = (f"on {self.device}: median of {self.repeat} runs after {self.warmup} "
+        why = f" ({self.why})" if self.why else ""
+        caption = (f"on {self.device}{why}: median of {self.repeat} runs after {self.warmup} "
                    f"warm-up, device synchronised; errors against {REFERENCE} (TF32 off)")
         notes = ["activations saved: peak bytes autograd held for backward (memory_meter; "
                  "parameters excluded); peak: CUDA peak allocated beyond the start"]

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ampnb._interrupt import Guard
-from ampnb.batch import first_line
+from ampnb.batch import failure
 from ampnb.comparison.result import REFERENCE, Comparison, Row, dtypes, errors, kept
-from ampnb.device import TF32_ALLOWED, sync, tf32_setting, tf32_state
+from ampnb.device import TF32_ALLOWED, place, sync, tf32_setting, tf32_state
 from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
@@ -80,7 +80,8 @@ def _entries(modes: Iterable[str] | str, setting: str | None) -> list[_Entry]:
 
 
 def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-mixed",),
-            device: str | torch.device = "cpu", repeat: int = 5, warmup: int = 1, seed: int = 0,
+            device: str | torch.device | None = None, repeat: int = 5, warmup: int | None = None,
+            seed: int = 0,
             tf32: str | bool | None = None,
             progress: Callable[[int, int, str], None] | None = None, *,
             fp16_kernels: str | None = None,
@@ -93,6 +94,9 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     `torch.manual_seed(seed)` and ends with `work.restore()`; the RNG state is restored
     afterwards. Runs go round-robin over the modes so that drift hits all alike. A mode whose
     run raises gets a failed row with the error; only a failing 32-true run raises.
+    The device is where `model`'s parameters are (torch's default device without a model);
+    `device` only states it (ValueError naming both when they disagree). `warmup` runs per
+    mode before timing: None is 1 on a CPU, 3 on an accelerator (lazy kernel set-up, autotune).
     `fp16_kernels` ('auto', 'native', 'emulated'; None = the process-wide setting) says how
     fp16 products run on a CPU; `keep_fp32` (module paths or globs in `model`, a module or a
     dict of them) runs those modules in fp32 in every mode but the reference.
@@ -101,21 +105,29 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     if not callable(work.run):
         raise ValueError(f"compare needs a callable or a Work, got {type(work.run).__name__}")
     for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 1)):
+        if name == "warmup" and value is None:
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     try:
         setting = tf32_setting(tf32)
     except ValueError:
         raise ValueError(f"tf32 must be one of {TF32_ALLOWED}, got {tf32!r}") from None
-    dev = _device(device)
+    stated = None if device is None else _device(device)
     kernels = fp16_kernels_choice(fp16_kernels)
     if keep_fp32 is not None and model is None:
         raise ValueError("compare(keep_fp32=...) needs model=, the nn.Module (or a dict of them) "
                          "whose submodules the patterns name")
     islands = matching_modules(model, keep_fp32) if keep_fp32 is not None else {}
     entries = _entries(modes, setting)
+    for e in entries if stated is not None else ():  # absent: say what would run instead
+        get_mode(e.mode).check(stated)
+    where = place([("the model's parameters", model)] if model is not None else [], stated,
+                  fallback="compare was given no model= to take it from")
+    dev = torch.device(where.device)
     for e in entries:
         get_mode(e.mode).check(dev)
+    warmup = (1 if dev.type == "cpu" else 3) if warmup is None else warmup
     total = len(entries) * (warmup + repeat)
     times: dict[_Entry, list[float]] = {e: [] for e in entries}
     results: dict[_Entry, Any] = {}
@@ -157,7 +169,7 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
         except Exception as error:  # noqa: BLE001 - one mode failing leaves the others' rows
             if e == entries[0]:
                 raise
-            failed[e] = first_line(error, 160)
+            failed[e] = failure(error, 160)
             done += 1
             return None
 
@@ -181,7 +193,8 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
             said.append(f"kept in fp32: {', '.join(islands)}")
         notes[e] = "; ".join(n for n in said if n)
     return Comparison(str(dev), repeat, warmup, tuple(_row(e, entries[0], times, results, memory,
-                                                           notes, failed) for e in entries))
+                                                           notes, failed) for e in entries),
+                      where.why)
 
 
 def _row(e: _Entry, ref: _Entry, times: dict, results: dict, memory: dict, notes: dict,

@@ -1,7 +1,8 @@
 """Devices and what each can do (support), the TF32 switch and setting, measured throughput.
 
 Parts import downwards only: cpu, spec (documented support of absent accelerators, pure data)
-<- hardware (devices, support, the support table) <- tf32_switch <- throughput.
+<- hardware (devices, support, the support table) <- placement (the device the data is on),
+tf32_switch <- throughput.
 Names resolve lazily, so that a module below `ampnb.modes` (fp16_kernels) can use `device.cpu`.
 """
 
@@ -17,8 +18,10 @@ _EXPORTS = {
                      "tf32_context", "tf32_effect", "tf32_setting", "tf32_state"),
                     "ampnb.device.tf32_switch"),
     **dict.fromkeys(("SOURCES", "spec_columns"), "ampnb.device.spec"),
+    **dict.fromkeys(("Placement", "data_devices", "place"), "ampnb.device.placement"),
     **dict.fromkeys(("Throughput", "matmul_throughput", "throughput_table"),
                     "ampnb.device.throughput"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS,
-                                             ("cpu", "hardware", "spec", "tf32_switch", "throughput"))
+                                             ("cpu", "hardware", "placement", "spec", "tf32_switch",
+                                              "throughput"))

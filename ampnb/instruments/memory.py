@@ -13,9 +13,10 @@ from torch import nn
 from ampnb._interrupt import Guard, deferred
 from ampnb._tree import tensors
 from ampnb.apex import master_of
-from ampnb.batch import as_batch, model_loss, step_loss
-from ampnb.display import Table, TableView, format_bytes
-from ampnb.modes import get_mode
+from ampnb.batch import as_batch, failure, model_loss, step_loss
+from ampnb.device.placement import Placement, place
+from ampnb.display import Table, TableView, dtype_name, format_bytes
+from ampnb.modes import PrecisionMode, get_mode
 from ampnb.start import started
 from ampnb.step import StepSettings, step_context, train_step
 
@@ -137,7 +138,7 @@ def memory_meter(device: str | torch.device = "cpu") -> MemoryMeter:
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Bytes one training step holds under one mode."""
+    """Bytes one training step holds under one mode (all 0 and `error` said when it failed)."""
 
     mode: str
     saved_bytes: int
@@ -146,6 +147,7 @@ class MemoryStats:
     grad_bytes: int
     optimizer_bytes: int  # its state, and fp32 master weights where the mode keeps them
     cuda_peak_bytes: int | None = None
+    error: str = ""  # why the mode's step failed: the error, where raised, the mode's dtype
 
     @property
     def total(self) -> int:
@@ -169,15 +171,20 @@ def _own_or_mean(out: Any, targets: Any) -> torch.Tensor:
     return sum(floats)
 
 
-def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None = None, *,
-                   mode: Any = "32-true", optimizer: torch.optim.Optimizer | None = None,
-                   device: str | None = None) -> MemoryStats:
-    """The one training step (ampnb.step.train_step) on a deep copy, under `mode`.
+@dataclass(frozen=True)
+class _Step:
+    """What every mode's step gets: the model, its batch, loss, optimizer and where it runs."""
 
-    A batch is anything ampnb.batch takes; without loss_fn the model's own loss is used (or,
-    when it has none, the mean of its outputs). The optimizer is an instance: a copy of it
-    (type, settings, state) steps the copy's weights the mode's way, with its GradScaler.
-    """
+    model: nn.Module
+    run: Any
+    loss_fn: Callable | None
+    optimizer: torch.optim.Optimizer | None
+    where: Placement
+
+
+def _step_of(model: Any, batch: Any, loss_fn: Callable | None,
+             optimizer: torch.optim.Optimizer | None, device: Any) -> _Step:
+    """The arguments checked once (ValueError naming what is allowed); the device placed."""
     if all(hasattr(model, k) for k in ("model", "optimizer", "loss_fn", "batches")):  # a Demo
         batch = model.batches[0] if batch is None else batch
         loss_fn = loss_fn or model.loss_fn
@@ -195,15 +202,19 @@ def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None
                          f"(outputs, targets) or None, with the batch as one argument: "
                          f"memory_report(model, (inputs, targets), loss_fn).")
     run = as_batch(batch, loss_fn)
-    m = get_mode(mode)
-    dev = torch.device(device or next(model.parameters()).device)
-    m.check(dev)
+    where = place([("the model's parameters", model), ("the batch", batch)], device)
+    return _Step(model, run, loss_fn, optimizer, where)
+
+
+def _measure(step: _Step, m: PrecisionMode) -> MemoryStats:
+    """The one training step (ampnb.step.train_step) on a fresh copy of the model, under m."""
+    dev = torch.device(step.where.device)
     # A fresh copy from one snapshot; the user's RNG is put back (dropout in the copy draws).
-    with started(model, optimizer) as start:
+    with started(step.model, step.optimizer) as start:
         net, opt = start.copy(m, str(dev))
         params = list(net.parameters())
         with MemoryMeter(dev) as meter, step_context(StepSettings(m, str(dev)), net):
-            train_step(m, net, opt, run, loss_fn or _own_or_mean, device=dev,
+            train_step(m, net, opt, step.run, step.loss_fn or _own_or_mean, device=dev,
                        scaler=m.make_scaler(dev))
     masters = [master_of(p) for p in params]  # APEX O2's fp32 masters live in the optimizer
     return MemoryStats(m.name, meter.peak_bytes, meter.tensors, _nbytes(params),
@@ -213,25 +224,56 @@ def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None
                        meter.cuda_peak_bytes)
 
 
+def measure_memory(model: nn.Module, batch: Any = None, loss_fn: Callable | None = None, *,
+                   mode: Any = "32-true", optimizer: torch.optim.Optimizer | None = None,
+                   device: str | None = None) -> MemoryStats:
+    """The one training step (ampnb.step.train_step) on a deep copy, under `mode`.
+
+    A batch is anything ampnb.batch takes; without loss_fn the model's own loss is used (or,
+    when it has none, the mean of its outputs). The optimizer is an instance: a copy of it
+    (type, settings, state) steps the copy's weights the mode's way, with its GradScaler.
+    The device is where the model's parameters are; `device` only states it.
+    """
+    step = _step_of(model, batch, loss_fn, optimizer, device)
+    m = get_mode(mode)
+    m.check(step.where.device)
+    return _measure(step, m)
+
+
+def _failed(m: PrecisionMode, error: Exception) -> MemoryStats:
+    dtype = dtype_name(m.compute_dtype if m.is_mixed else m.param_dtype)
+    return MemoryStats(m.name, 0, 0, 0, 0, 0, None, f"{failure(error, 160)}; under {dtype}")
+
+
 @dataclass(frozen=True, repr=False)  # repr from table() (TableView)
 class MemoryReport(TableView):
-    """Memory of one step under several modes, side by side."""
+    """Memory of one step under several modes, side by side; a mode that failed says why."""
 
     stats: tuple[MemoryStats, ...]
+    device: str = ""
+    why: str = ""  # why the device was chosen
 
     def table(self) -> Table:
-        """One row per mode; ratios are against the first mode."""
-        base = self.stats[0]
+        """One row per mode; ratios are against the first mode that ran."""
+        ran = [s for s in self.stats if not s.error]
+        base = ran[0] if ran else self.stats[0]
         cuda = any(s.cuda_peak_bytes is not None for s in self.stats)
         rows = []
         for s in self.stats:
+            if s.error:
+                rows.append((s.mode, "failed", *["-"] * (5 + cuda), s.error))
+                continue
             ratio = f"{s.saved_bytes / base.saved_bytes:.2f}x" if base.saved_bytes else "-"
             rows.append((s.mode, format_bytes(s.saved_bytes), ratio, format_bytes(s.param_bytes),
                          format_bytes(s.grad_bytes), format_bytes(s.optimizer_bytes),
-                         format_bytes(s.total), *((format_bytes(s.cuda_peak_bytes),) if cuda else ())))
+                         format_bytes(s.total), *((format_bytes(s.cuda_peak_bytes),) if cuda else ()),
+                         *(("",) if len(ran) < len(self.stats) else ())))
+        failed = len(ran) < len(self.stats)
+        on = f" on {self.device} ({self.why})" if self.device else ""
         return Table(("mode", "saved for backward", f"vs {base.mode}", "parameters", "gradients",
-                      "optimizer state", "total", *(("CUDA peak",) if cuda else ())), rows,
-                     caption="memory of one training step (same model and batch)",
+                      "optimizer state", "total", *(("CUDA peak",) if cuda else ()),
+                      *(("failed: why",) if failed else ())), rows,
+                     caption=f"memory of one training step (same model and batch){on}",
                      notes=("saved for backward: peak bytes autograd held for the backward pass "
                             "(parameters excluded; autocast's low-precision weight copies "
                             "included)",))
@@ -240,9 +282,24 @@ class MemoryReport(TableView):
 def memory_report(model: nn.Module, batch: Any = None, loss_fn: Callable | None = None, *,
                   optimizer: torch.optim.Optimizer | None = None,
                   modes: Iterable[Any] = DEFAULT_MODES, device: str | None = None) -> MemoryReport:
-    """measure_memory under each mode on the same model and batch (32-true, bf16-mixed, bf16-true)."""
-    modes = tuple(modes)
-    if not modes:
+    """measure_memory under each mode on the same model and batch (32-true, bf16-mixed, bf16-true).
+
+    A mode whose step raises gets a row saying why (the error, where, the mode's dtype); the
+    others still run. Only when every mode fails is the first mode's error raised.
+    """
+    found = tuple(get_mode(m) for m in modes)
+    if not found:
         raise ValueError("memory_report needs at least one mode, e.g. ('32-true', 'bf16-mixed')")
-    return MemoryReport(tuple(measure_memory(model, batch, loss_fn, mode=m, optimizer=optimizer,
-                                             device=device) for m in modes))
+    step = _step_of(model, batch, loss_fn, optimizer, device)
+    for m in found:
+        m.check(step.where.device)
+    stats, errors = [], []
+    for m in found:
+        try:
+            stats.append(_measure(step, m))
+        except Exception as e:  # noqa: BLE001 - one mode failing leaves the others' rows
+            errors.append(e)
+            stats.append(_failed(m, e))
+    if len(errors) == len(found):
+        raise errors[0]
+    return MemoryReport(tuple(stats), step.where.device, step.where.why)

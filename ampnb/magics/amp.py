@@ -11,7 +11,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Integer, TraitError, Unicode, validate
 
+from ampnb.device import Placement
 from ampnb.magics import compare_cell, runs
+from ampnb.magics.cell import compile_cell
 from ampnb.step import StepSettings
 
 _CELL_ONLY = ("compare", "repeat", "trace", "hunt", "memory", "show_code", "output", "doctor",
@@ -32,7 +34,8 @@ class AmpMagics(Magics):
 
     default_mode = Unicode("32-true", help="Mode of %%amp when none is given.").tag(config=True)
     default_device = Unicode(
-        "auto", help="Device of %%amp: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:N', 'mps'."
+        "auto", help="Device of %%amp: 'auto' (where the cell's models and tensors are), or a "
+        "statement they must agree with: 'cpu', 'cuda:N', 'mps'."
     ).tag(config=True)
     default_tf32 = Unicode(
         "", help="TF32 of %%amp: '' leaves the flags as they are, or 'on', 'off', 'emulate'."
@@ -62,7 +65,8 @@ class AmpMagics(Magics):
     @argument("mode", nargs="?", help="precision mode: 32-true, 16-mixed, bf16-mixed, 16-true, "
               "bf16-true, 64-true (or 16, bf16, 32, 64). %%%%amp: run the cell under it; "
               "%%amp: make it the default.")
-    @argument("--device", "-d", help="cpu, cuda, cuda:N or mps (default: cuda when present)")
+    @argument("--device", "-d", help="cpu, cuda, cuda:N or mps: states where the cell's models "
+              "and tensors are (an error if they are elsewhere); default: where they are")
     @argument("--tf32", choices=("on", "off", "emulate"),
               help="TF32 for fp32 matmuls/convs; 'emulate' rounds their inputs to TF32 on any device")
     @argument("--compare", metavar="M1,M2", help="run the cell under 32-true and these modes "
@@ -156,7 +160,8 @@ class AmpMagics(Magics):
         if args.compare is None:
             if args.repeat is not None:
                 raise UsageError("--repeat sets the runs of --compare; add --compare M1,M2")
-            run = runs.run_once(self.shell, cell, self._settings(args), args)
+            where = self._placement(args, cell)
+            run = runs.run_once(self.shell, cell, self._settings(args, where), args, where)
         else:
             used = [_flag(n) for n in _ONE_RUN_ONLY if getattr(args, n)]
             if args.mode is not None or used:
@@ -166,8 +171,9 @@ class AmpMagics(Magics):
             repeat = self.default_repeat if args.repeat is None else args.repeat
             if repeat < 1:
                 raise UsageError(f"--repeat must be >= 1, got {repeat}")
-            run = compare_cell.run_compare(self.shell, cell, self._settings(args), args.compare,
-                                           repeat, quiet=args.quiet)
+            where = self._placement(args, cell)
+            run = compare_cell.run_compare(self.shell, cell, self._settings(args, where),
+                                           args.compare, repeat, quiet=args.quiet, where=where)
         if args.output:
             self.shell.user_ns[args.output] = run
         if args.quiet:
@@ -188,7 +194,9 @@ class AmpMagics(Magics):
             what = ", ".join(([f"MODE {args.mode!r}"] if args.mode else []) + others)
             raise UsageError(f"{what} cannot be combined with {flag}; it runs every mode this "
                              "machine can run (use --device to pick the device)")
-        device = self._settings(args).device
+        self._settings(args)  # checks the stated device; the doctor takes the model's and checks it
+        device = args.device if args.device is not None else (
+            None if self.default_device == "auto" else self.default_device)
         if args.doctor:
             result = doctor_cell(self.shell, cell, device=device)
         else:
@@ -202,7 +210,6 @@ class AmpMagics(Magics):
     def _nproc(self, args: Any, cell: str) -> Any:
         """--nproc N: the cell on N local ranks, each in the cell's one context (ampnb.magics.nproc)."""
         from ampnb.distributed._ship import RankSettings
-        from ampnb.magics.cell import compile_cell
         from ampnb.magics.nproc import nproc_cell
 
         used = [_flag(n) for n in _NOT_ON_RANKS if getattr(args, n)]
@@ -211,7 +218,7 @@ class AmpMagics(Magics):
                              "repeat this kernel's own run, not the ranks'); with --nproc a cell "
                              "takes MODE, --device, --tf32, --fp16-kernels, --keep-fp32, "
                              "--timeout, -o and -q")
-        s = self._settings(args)
+        s = self._settings(args, self._placement(args, cell, ranks=True))
         if s.keep_fp32:  # the ranks find the same models; say what is wrong before launching
             try:
                 runs.kept_modules(s, self.shell.user_ns, compile_cell(self.shell, cell).names)
@@ -226,12 +233,22 @@ class AmpMagics(Magics):
             display(run)
         return None
 
-    def _settings(self, args: Any) -> StepSettings:
+    def _settings(self, args: Any, where: Placement | None = None) -> StepSettings:
         mode = self.default_mode if args.mode is None else args.mode
         device = self.default_device if args.device is None else args.device
         tf32 = (self.default_tf32 or None) if args.tf32 is None else args.tf32
         try:
-            return runs.settings(mode, device, tf32, args.fp16_kernels, args.keep_fp32)
+            return runs.settings(mode, device if where is None else where.device, tf32,
+                                 args.fp16_kernels, args.keep_fp32)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    def _placement(self, args: Any, cell: str, ranks: bool = False) -> Placement:
+        """Where the cell runs: where its models and tensors are; --device only states it."""
+        device = self.default_device if args.device is None else args.device
+        try:
+            return runs.placement(device, self.shell.user_ns, compile_cell(self.shell, cell).names,
+                                  ranks)
         except ValueError as e:
             raise UsageError(str(e)) from None
 

@@ -13,6 +13,7 @@ from ampnb._interrupt import Guard
 from ampnb._tree import tensors
 from ampnb.comparison import Work, compare
 from ampnb.comparison.snapshot import KEEP_NEEDS_A_MODEL, StartState, used_names
+from ampnb.device import Placement
 from ampnb.display import dtype_name
 from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
@@ -86,7 +87,7 @@ class _Runs:
 
 
 def run_compare(shell: Any, cell: str, s: StepSettings, modes_text: str, repeat: int,
-                quiet: bool = False) -> AmpRun:
+                quiet: bool = False, where: Placement | None = None) -> AmpRun:
     """Run the cell under 32-true and each mode from the same start; compare table."""
     __tracebackhide__ = True  # noqa: F841
     modes = compare_modes(modes_text, s.device)
@@ -122,5 +123,7 @@ def run_compare(shell: Any, cell: str, s: StepSettings, modes_text: str, repeat:
     if start.unrestored():
         notes.append(f"changed in place and too large to copy, so NOT restored: "
                      f"{', '.join(start.unrestored())}")
+    if where is not None:
+        notes.insert(0, f"on {where}")
     return AmpRun("compare", s.device, _tf32_text(s), None, (), tuple(dict.fromkeys(notes)),
-                  comparison=result)
+                  comparison=result, why=where.why if where is not None else "")

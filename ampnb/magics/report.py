@@ -27,11 +27,13 @@ class AmpRun:
     comparison: Comparison | None = None
     code: str | None = None
     extras: tuple[Any, ...] = ()  # instrument reports (op trace, non-finite hunt, memory)
+    why: str = ""  # why the device was chosen, e.g. "where the parameters of lin are"
 
     @property
     def caption(self) -> str:
         took = "" if self.seconds is None else f" · {format_seconds(self.seconds)}"
-        return f"%%amp {self.mode} on {self.device} · TF32 {self.tf32}{took}"
+        why = f" ({self.why})" if self.why else ""
+        return f"%%amp {self.mode} on {self.device}{why} · TF32 {self.tf32}{took}"
 
     def table(self) -> Table:
         """What the cell made, with mode, device and TF32 in the caption."""

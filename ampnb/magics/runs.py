@@ -13,12 +13,15 @@ from torch import nn
 
 from ampnb import _state
 from ampnb._kernels import without_override_frames
-from ampnb.comparison.snapshot import cell_models
+from ampnb._tree import named_tensors
+from ampnb.comparison.snapshot import cell_models, module_roots, used_names
 from ampnb.device import (
+    Placement,
     TF32Setting,
     TF32State,
     cpu_features,
     get_device,
+    place,
     support,
     sync,
     tf32_effect,
@@ -41,13 +44,31 @@ def mode_name(value: Any) -> str:
 
 
 def device_name(value: Any) -> str:
-    """The name of a present device; 'auto' is cuda when present, else cpu."""
-    if value == "auto":
-        value = "cuda" if torch.cuda.is_available() else "cpu"
+    """The name of a present device (ValueError names the available ones)."""
     try:
         return get_device(value).name
     except ValueError as e:
         raise ValueError(f"{e}; --device cpu runs the cell on the CPU instead") from None
+
+
+def placement(device: Any, ns: dict[str, Any] | None = None,
+              names: frozenset[str] = frozenset(), ranks: bool = False) -> Placement:
+    """Where a cell runs: where the models (else the tensors) it uses are; `device` ('auto': not
+    stated) only states it (ValueError naming both when they disagree)."""
+    stated = None if device == "auto" else device_name(device)
+    used = used_names(names, ns) if ns is not None else set()
+    models = module_roots(ns, used) if used else {}
+    found = [(f"the parameters of {', '.join(models)}", list(models.values()))] if models else []
+    if used and not models:
+        free = {n: ns[n] for n in sorted(used) if not n.startswith("_") and n in ns
+                and named_tensors(ns[n], n)}
+        found = [(f"the tensors the cell uses ({', '.join(free)})", list(free.values()))]
+    if not found and stated is None and ranks and torch.cuda.is_available():
+        # --nproc ranks make their data on the `device` they are given: CUDA's, where present
+        return Placement(device_name("cuda"), "the ranks' device: cuda when present; the cell "
+                                              "uses no model or tensor made before it")
+    return place(found, stated, flag="--device ",
+                 fallback="the cell uses no model or tensor made before it")
 
 
 def tf32_setting(value: Any) -> TF32Setting | None:
@@ -68,8 +89,9 @@ def _available(mode: PrecisionMode, device: str) -> PrecisionMode:
 
 def settings(mode: Any, device: Any, tf32: Any, fp16_kernels: Any = None,
              keep_fp32: str | None = None) -> StepSettings:
-    """Check a mode, device and TF32 setting together (ValueError with the allowed values)."""
-    dev = device_name(device)
+    """Check a mode, device ('auto': torch's default) and TF32 setting together (ValueError
+    with the allowed values)."""
+    dev = placement(device).device if device == "auto" else device_name(device)
     kernels = None if fp16_kernels is None else fp16_kernels_choice(fp16_kernels)
     # IPython's argument parser keeps the quotes of --keep-fp32 "lm_head,*.norm"
     keep = () if keep_fp32 is None else keep_patterns(keep_fp32.strip().strip("'\""))
@@ -157,7 +179,8 @@ def _state_note(before: _state.TorchState, after: _state.TorchState) -> list[str
             "%%amp restores only what it set"]
 
 
-def run_once(shell: Any, cell: str, s: StepSettings, args: Any) -> AmpRun:
+def run_once(shell: Any, cell: str, s: StepSettings, args: Any,
+             where: Placement | None = None) -> AmpRun:
     """Run the cell once under the settings; errors in the cell propagate after restoring state."""
     __tracebackhide__ = True  # noqa: F841
     compiled = compile_cell(shell, cell)
@@ -188,4 +211,5 @@ def run_once(shell: Any, cell: str, s: StepSettings, args: Any) -> AmpRun:
              + _true_mode_note(s.mode, made) + _state_note(before, after))
     code = show_code(s.mode, s.device, s.tf32, cell, args.mode) if args.show_code else None
     return AmpRun(s.mode.name, s.device, _tf32_text(s, after), seconds, made, tuple(notes), value,
-                  code=code, extras=instruments.reports(probes))
+                  code=code, extras=instruments.reports(probes),
+                  why=where.why if where is not None else "")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.device import TF32Setting, get_device, sync, tf32_setting
+from ampnb.device import TF32Setting, get_device, place, sync, tf32_setting
 from ampnb.display import Table, TableView, dtype_name
 from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
@@ -95,7 +95,9 @@ class Workbench(TableView):
                  device: str | torch.device | None = None, tf32: bool = False) -> None:
         given, self._batches = check_inputs(model, optimizer, loss_fn, batches)
         tf32 = _check_tf32(tf32)
-        dev = resolve_device(device if device is not None else next(model.parameters()).device)
+        # The device follows the data: device= only states where the model is (ValueError if not).
+        self.placement = place([("the model's parameters", model)], device)
+        dev = torch.device(self.placement.device)
         current = param_dtype(model)
         described = get_mode(_MODE_OF_DTYPE.get(current, "32-true"))  # what the model is now
         chosen = described if mode is None else get_mode(mode)
