@@ -17,6 +17,7 @@ from ampnb.fp8.layers import (
     describe_left_out,
     kind_of,
     left_out,
+    not_convertible,
     parameter_share,
     swap_children,
 )
@@ -70,6 +71,11 @@ class Fp8Report(TableView):
         return "; ".join(f"{c.name or '(the model itself)'!r} ({c.kind} "
                          f"{c.in_features}→{c.out_features}: {c.reason})" for c in self.skipped)
 
+    @property
+    def advice(self) -> str:
+        """What would put the skipped layers in FP8, where padding would ('' otherwise)."""
+        return " Pad them to use FP8." if any("multiple of" in c.reason for c in self.skipped) else ""
+
     def table(self) -> Table:
         rows = [(c.name, c.kind, f"{c.in_features}→{c.out_features}",
                  "FP8" if c.fp8 else "higher", c.reason or "-") for c in self.layers]
@@ -106,6 +112,9 @@ def _report(model: nn.Module, planned: bool) -> Fp8Report:
                                       reason or ("" if fp8 else "not converted")))
             if fp8:
                 weights.append(m.weight)
+        elif (found := not_convertible(m)) is not None:
+            n_in, n_out = found[0].features(m)
+            layers.append(LayerChoice(name, found[0].name, n_in, n_out, False, found[1]))
         else:
             continue
         taken.append(m)
@@ -170,7 +179,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
     report = fp8_report(target)
     if report.skipped:
         warnings.warn(f"FP8: {len(report.skipped)} linear layer(s) stay in higher precision: "
-                      f"{report.message()}. Pad them to use FP8.", stacklevel=2)
+                      f"{report.message()}.{report.advice}", stacklevel=2)
     return target, report
 
 
@@ -227,7 +236,7 @@ def swap_for_mode(module: nn.Module, recipe: Fp8Recipe | str | None = None) -> n
         none = "" if before.converted else " (no layer runs in FP8: the model computes in " \
                                            "its weight dtype only)"
         warnings.warn(f"FP8: {len(before.skipped)} linear layer(s) stay in higher precision"
-                      f"{none}: {before.message()}. Pad them to use FP8.", stacklevel=3)
+                      f"{none}: {before.message()}.{before.advice}", stacklevel=3)
     if norms:
         warnings.warn(f"FP8: {len(norms)} LayerNorm(s) stay as they are: {'; '.join(norms)}",
                       stacklevel=3)

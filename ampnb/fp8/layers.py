@@ -16,18 +16,37 @@ from torch import nn
 
 from ampnb._interrupt import deferred
 
+# Subclasses with their own forward that compute x @ W^T + b all the same, checked by reading
+# their source (FalconLinear: `input @ self.weight.T`, then `+ self.bias`). By class name and
+# module, so transformers is never imported for them.
+SAME_AS_LINEAR = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+_CONV1D = ("transformers.pytorch_utils", "Conv1D")
 
-def _is_linear(m: nn.Module) -> bool:
-    # A subclass with its own forward (a LoRA wrapper, say) would lose it if swapped, and
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+def _linear_base(m: nn.Module) -> type | None:
     # nn.MultiheadAttention reads its out_proj's weight without calling it: a swap there would
-    # claim FP8 while nothing ran in FP8.
-    return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
-            and not isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear))
+    # claim FP8 while nothing ran in FP8, so that class is not a Linear layer here.
+    if isinstance(m, nn.Linear) and not isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return nn.Linear
+    return None
 
 
-def _is_conv1d(m: nn.Module) -> bool:
-    return any(c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils"
-               for c in type(m).__mro__)
+def _conv1d_base(m: nn.Module) -> type | None:
+    return next((c for c in type(m).__mro__ if (c.__module__, c.__name__) == _CONV1D), None)
+
+
+def own_forward_reason(m: nn.Module, base: type) -> str:
+    """Why a subclass of `base` is not converted: its own forward ('' when it may be)."""
+    cls = type(m)
+    if cls.forward is base.forward or _qualname(cls) in SAME_AS_LINEAR:
+        return ""
+    # A LoRA wrapper or a scaled output would lose what its forward adds if swapped.
+    return (f"{cls.__name__} has its own forward, not {base.__name__}'s; ampnb cannot know "
+            "it computes x @ W^T + b")
 
 
 @dataclass(frozen=True)
@@ -35,8 +54,13 @@ class LayerKind:
     """A module type that computes x @ W^T + b: how to recognise it and how W is stored."""
 
     name: str
-    matches: Callable[[nn.Module], bool]
+    base: Callable[[nn.Module], type | None]  # the class it derives from, or None
     transposed: bool  # weight stored (in, out): y = x @ W + b
+
+    def matches(self, m: nn.Module) -> bool:
+        """A layer of this kind that can be swapped: its forward is the base's, or known alike."""
+        base = self.base(m)
+        return base is not None and not own_forward_reason(m, base)
 
     def features(self, m: nn.Module) -> tuple[int, int]:
         """(in_features, out_features) from the weight's shape."""
@@ -50,9 +74,19 @@ class LayerKind:
 
 # The layer types converted, in the order they are tried.
 CONVERTIBLE: dict[str, LayerKind] = {k.name: k for k in (
-    LayerKind("Linear", _is_linear, transposed=False),
-    LayerKind("Conv1D", _is_conv1d, transposed=True),
+    LayerKind("Linear", _linear_base, transposed=False),
+    LayerKind("Conv1D", _conv1d_base, transposed=True),
 )}
+
+
+def not_convertible(m: nn.Module) -> tuple[LayerKind, str] | None:
+    """(kind, reason) for a subclass of a convertible kind that is not swapped, else None."""
+    for k in CONVERTIBLE.values():
+        base = k.base(m)
+        if base is not None:
+            why = own_forward_reason(m, base)
+            return (k, why) if why else None
+    return None
 
 
 def kind_of(m: nn.Module) -> LayerKind | None:

@@ -60,12 +60,15 @@ MATMULS = ("auto", "dequantize", "scaled_mm")
 
 
 class _Fp8Matmul(torch.autograd.Function):
-    """y = x W^T + b with x, W cast to the forward format and dy to the backward format."""
+    """y = x W^T + b on 2-D x, with x, W cast to the forward format and dy to the backward format.
+
+    Its output is a fresh tensor, never a view: the caller reshapes it outside, so an in-place
+    write into the layer's output (wav2vec2's SpecAugment) is allowed, as after nn.Linear.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def forward(ctx: Any, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 layer: Fp8Linear, out_dtype: torch.dtype) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
         w = weight.t() if layer.transposed else weight  # (out, in) either way
         qx, sx = layer.cast(Role.INPUT, x2)
         qw, sw = layer.cast(Role.WEIGHT, w)
@@ -73,24 +76,22 @@ class _Fp8Matmul(torch.autograd.Function):
         if bias is not None:
             out = out + bias.float()
         ctx.save_for_backward(qx, sx, qw, sw)
-        ctx.layer, ctx.shapes = layer, (x.shape, x.dtype, weight.dtype,
-                                        None if bias is None else bias.dtype)
+        ctx.layer, ctx.dtypes = layer, (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
         layer.observe_output(x2, w, bias, out)
-        return out.reshape(*x.shape[:-1], w.shape[0]).to(out_dtype)
+        return out.to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         qx, sx, qw, sw = ctx.saved_tensors
-        layer, (x_shape, x_dtype, w_dtype, b_dtype) = ctx.layer, ctx.shapes
-        g2 = grad.reshape(-1, grad.shape[-1])
-        qg, sg = layer.cast(Role.GRAD_OUTPUT, g2)
+        layer, (x_dtype, w_dtype, b_dtype) = ctx.layer, ctx.dtypes
+        qg, sg = layer.cast(Role.GRAD_OUTPUT, grad)
         grad_x = layer.matmul(qg, sg, qw, sw, Role.GRAD_OUTPUT, Role.WEIGHT)
         grad_w = layer.matmul(qg.t(), sg, qx, sx, Role.GRAD_OUTPUT, Role.INPUT)
         # The bias gradient is a sum, not a matmul: it uses the unquantized gradient (as TE).
-        grad_b = None if b_dtype is None else g2.float().sum(0).to(b_dtype)
+        grad_b = None if b_dtype is None else grad.float().sum(0).to(b_dtype)
         if layer.transposed:
             grad_w = grad_w.t().contiguous()
-        return grad_x.reshape(x_shape).to(x_dtype), grad_w.to(w_dtype), grad_b, None, None
+        return grad_x.to(x_dtype), grad_w.to(w_dtype), grad_b, None, None
 
 
 class Fp8Linear(nn.Module):
@@ -214,12 +215,11 @@ class Fp8Linear(nn.Module):
         return fp8_active() if self.enabled is None else self.enabled
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
-        """The replaced layer's own computation (Conv1D's addmm, or F.linear)."""
-        if not self.transposed:
-            return F.linear(x, self.weight, self.bias)
-        x2 = x.reshape(-1, x.shape[-1])
-        out = x2 @ self.weight if self.bias is None else torch.addmm(self.bias, x2, self.weight)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        """The replaced layer's own forward (Conv1D's addmm, FalconLinear's), or F.linear."""
+        src = self.source
+        if src is not None and src.weight is self.weight and src.bias is self.bias:
+            return src.forward(x)  # outside FP8 the model computes exactly as before the swap
+        return F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_now:
@@ -228,7 +228,9 @@ class Fp8Linear(nn.Module):
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         # The FP8 casts are the precision story here: autocast must not recast inside.
         with torch.autocast(dev, enabled=False):
-            return _Fp8Matmul.apply(x, self.weight, self.bias, self, out_dtype)
+            out = _Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self,
+                                   out_dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         layout = ", weight stored (in, out) as Conv1D" if self.transposed else ""

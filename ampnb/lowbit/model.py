@@ -55,6 +55,9 @@ class LowBitReport(TableView):
     real: bool = False      # bitsandbytes' own layers (CUDA) rather than the emulation
     already: bool = False   # the model held low-bit layers: nothing was replaced
     params: ParameterShare = ParameterShare()  # the quantized weights among all parameters
+    # Quantized layers the inputs never called (their parent reads `.weight`, as Mamba's fused
+    # path reads dt_proj's): quantized all the same, with no output to compare.
+    not_called: tuple[str, ...] = ()
 
     @property
     def headline(self) -> str:
@@ -103,6 +106,9 @@ class LowBitReport(TableView):
                          f"(Lightning's rule); bits/param are the layers' own")
         if self.left_out:
             notes.append(f"left out (kept as they were): {describe_left_out(self.left_out)}")
+        if self.not_called:
+            notes.append(f"not called on the inputs: {', '.join(self.not_called)} (their weight is "
+                         "read directly; quantized all the same, no output SQNR)")
         if self.int8:
             notes.append(f"fp16 features: inputs with |x| >= {THRESHOLD:g} in the batch (LLM.int8())")
         return Table(("layer", "type", "weight (out×in)", "bits/param", "weight SQNR dB",
@@ -286,11 +292,15 @@ def quantize_model(model: nn.Module, mode: str | LowBitFormat, *, dtype: torch.d
                          f"quantize{why}")
     swap_children(swaps)  # all or none, also on an interrupt
     after = _layer_outputs(target, inputs, {e[0] for e in errors}) if before is not None else None
+    # A layer the forward never called has no output, here or in the original.
+    called = set() if after is None else set(before) & set(after)
     layers = tuple(LayerError(name, shape, bits, w_db, err,
-                              None if after is None else sqnr(before[name], after[name]), kind,
-                              _outliers(target.get_submodule(name)) if after is not None else None)
+                              sqnr(before[name], after[name]) if name in called else None, kind,
+                              _outliers(target.get_submodule(name)) if name in called else None)
                    for name, shape, bits, w_db, err, kind in errors)
-    return target, LowBitReport(f, layers, rest, dtype=dtype, real=bnb is not None, params=share)
+    missed = () if after is None else tuple(e[0] for e in errors if e[0] not in called)
+    return target, LowBitReport(f, layers, rest, dtype=dtype, real=bnb is not None, params=share,
+                                not_called=missed)
 
 
 def _already(model: nn.Module, f: LowBitFormat, dtype: torch.dtype, inplace: bool
