@@ -187,3 +187,14 @@ def test_sqnr_and_fractions_against_their_definitions():
     assert flushed == ((q == 0) & (scaled != 0)).sum().item() / scaled.numel()
     overflowed = torch.isnan(quantize(scaled, f, saturate=False))  # e4m3fn has no inf
     assert saturated == overflowed.sum().item() / scaled.numel() == 3 / 8
+
+
+def test_delayed_scaling_shows_its_fields_in_its_signature():
+    # Shift-Tab in Jupyter shows inspect.signature: the fields, not (**kw) (#34).
+    import inspect
+
+    params = inspect.signature(DelayedScaling).parameters
+    for name in ("fp8_format", "amax_history_len", "amax_compute_algo", "margin", "saturate"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params[name].default == getattr(Fp8Recipe(), name)
+    assert DelayedScaling(margin=1) == Fp8Recipe(margin=1)

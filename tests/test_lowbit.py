@@ -157,3 +157,10 @@ def test_bad_formats_and_models_are_one_line_errors():
     model = nn.Sequential(nn.ReLU())
     with pytest.raises(ValueError, match="no Linear or Conv1D layers"):
         quantize_model(model, "nf4")
+
+
+def test_quantize_model_docstring_states_what_it_returns_and_takes():
+    from ampnb.lowbit import quantize_model as qm
+
+    for said in ("(model, report)", "inplace=False", "inplace=True", "use_bitsandbytes"):
+        assert said in qm.__doc__

@@ -96,13 +96,17 @@ class Fp8Recipe:
         return replace(self, **changes)
 
 
-def DelayedScaling(**kw: Any) -> Fp8Recipe:  # noqa: N802 - named as Transformer Engine's class
+def DelayedScaling(*, fp8_format: Fp8Format | str = Fp8Format.HYBRID,  # noqa: N802 - TE's name
+                   amax_history_len: int = 1024, amax_compute_algo: AmaxAlgo | str = AmaxAlgo.MAX,
+                   margin: int = 0, saturate: bool = True, **unknown: Any) -> Fp8Recipe:
     """Transformer Engine's delayed-scaling recipe (same field names and defaults)."""
-    allowed = {f.name for f in fields(Fp8Recipe)} - {"scaling"}
-    unknown = sorted(set(kw) - allowed)
-    if unknown:
-        raise ValueError(f"DelayedScaling has no field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
-    return Fp8Recipe(scaling=Scaling.DELAYED, **kw)
+    if unknown:  # a misspelt field: one line naming those allowed, not Python's TypeError
+        allowed = sorted(f.name for f in fields(Fp8Recipe) if f.name != "scaling")
+        raise ValueError(f"DelayedScaling has no field {sorted(unknown)[0]!r}; allowed: "
+                         f"{', '.join(allowed)}")
+    return Fp8Recipe(fp8_format=fp8_format, scaling=Scaling.DELAYED,
+                     amax_history_len=amax_history_len, amax_compute_algo=amax_compute_algo,
+                     margin=margin, saturate=saturate)
 
 
 # torchao's float8 recipe names -> recipes. Only per-tensor scaling is emulated here.

@@ -235,15 +235,19 @@ def _effective(layer: nn.Module, f: LowBitFormat) -> torch.Tensor:
 def quantize_model(model: nn.Module, mode: str | LowBitFormat, *, dtype: torch.dtype | None = None,
                    ignore_modules: Iterable[str] = (), inplace: bool = False, inputs: Any = None,
                    use_bitsandbytes: bool = True) -> tuple[nn.Module, LowBitReport]:
-    """Replace Linear / Conv1D layers with bitsandbytes layers, as Lightning's `BitsandbytesPrecision`.
+    """Replace Linear / Conv1D layers with bitsandbytes layers; returns `(model, report)`.
 
-    `mode`: nf4, nf4-dq, fp4, fp4-dq, int8, int8-training. `dtype`: the compute dtype (default
-    bfloat16; int8 modes need float16, as in Lightning). `ignore_modules`: name prefixes whose
-    layers stay as they are (e.g. {"lm_head"}). A model that already holds low-bit layers is not
-    replaced again; only the 4-bit layers' compute dtype is set. Real bitsandbytes layers when
-    the package imports and the model is on CUDA, the emulation otherwise. `inplace=False`
-    (default) works on a deep copy; with `inputs` (a batch), each layer's output is compared
-    with the original model's (output SQNR). Each layer using a tied weight gets its own copy.
+    As Lightning's `BitsandbytesPrecision`. `mode`: nf4, nf4-dq, fp4, fp4-dq, int8,
+    int8-training. `dtype`: the compute dtype (default bfloat16; int8 modes need float16, as in
+    Lightning). `ignore_modules`: name prefixes whose layers stay as they are (e.g. {"lm_head"}).
+    `inplace=False` (default) works on a deep copy and leaves `model` as it was; `inplace=True`
+    replaces the layers of `model` itself. `use_bitsandbytes=True` (default) takes bitsandbytes'
+    own layers when the package imports and the model is on CUDA, the emulation otherwise;
+    False always emulates. With `inputs` (a batch), each layer's output is compared with the
+    original model's (output SQNR; "-" for a layer the batch never calls). A model that already
+    holds low-bit layers is not replaced again; only the 4-bit layers' compute dtype is set.
+    Each layer using a tied weight gets its own copy. The report (`LowBitReport`) gives each
+    layer's bits per parameter and error, and what was left out.
     """
     f = get_lowbit(mode)
     if not isinstance(model, nn.Module):
