@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -12,7 +13,7 @@ import torch
 
 from ampnb._interrupt import Guard, deferred
 from ampnb._kernels import KernelOverride
-from ampnb.device.hardware import AMPERE_CC, DeviceInfo, get_device
+from ampnb.device.hardware import AMPERE_CC, DeviceInfo, devices, get_device
 from ampnb.formats import quantize
 
 
@@ -164,6 +165,8 @@ def _switch(enabled: bool) -> TF32State:
 def set_tf32(enabled: bool) -> TF32State:
     """Allow (or forbid) TF32 in CUDA fp32 matmuls and cuDNN convolutions; return the old state."""
     _check_enabled(enabled)
+    if enabled:
+        _say_if_nothing_changes("ampnb.set_tf32(True)")
     # Only the Guard's enter: the switch completes, or an interrupt during it is undone.
     return Guard(lambda: _switch(enabled), restore_tf32).apply()
 
@@ -199,21 +202,42 @@ def _switch_guard(enabled: bool, then: Callable[[], Any] = lambda: None,
 def tf32(enabled: bool) -> Guard:
     """TF32 on or off for the body (`as`: the state inside); restored after, also on error or interrupt."""
     _check_enabled(enabled)
+    if enabled:
+        _say_if_nothing_changes("ampnb.tf32(True) (restored after the block)")
     return _switch_guard(enabled, tf32_state)
+
+
+def _no_effect(dev: DeviceInfo) -> str | None:
+    """Why the TF32 switch changes nothing on a device; None where TF32 is real."""
+    if dev.type != "cuda":
+        return (f"TF32 has no effect on {dev.name}: it is a CUDA tensor-core mode (Ampere+, "
+                f"compute capability >= 8.0); fp32 matmuls here stay full fp32")
+    if dev.capability < AMPERE_CC:
+        cc = ".".join(map(str, dev.capability))
+        return f"TF32 has no effect on {dev.name} ({dev.label}, compute capability {cc} < 8.0)"
+    return None
 
 
 def tf32_effect(device: str | torch.device | DeviceInfo = "cpu") -> str:
     """What the TF32 switch does on a device, in one sentence."""
     dev = get_device(device)
     now = "on" if tf32_state().matmul else "off"
-    if dev.type != "cuda":
-        return (f"TF32 has no effect on {dev.name}: it is a CUDA tensor-core mode (Ampere+, "
-                f"compute capability >= 8.0); fp32 matmuls here stay full fp32 (switch: {now})")
+    nothing = _no_effect(dev)
+    if nothing is not None:
+        return nothing if dev.type == "cuda" else f"{nothing} (switch: {now})"
     cc = ".".join(map(str, dev.capability))
-    if dev.capability < AMPERE_CC:
-        return f"TF32 has no effect on {dev.name} ({dev.label}, compute capability {cc} < 8.0)"
     return (f"TF32 is {now} for fp32 matmuls on {dev.name} ({dev.label}, compute capability "
             f"{cc}): 10-bit mantissa inputs, fp32 range and accumulation")
+
+
+def _say_if_nothing_changes(call: str) -> None:
+    """Warn (as torch's autocast does for an absent device) when no device here has TF32 units."""
+    present = devices()
+    cuda = [d for d in present if d.type == "cuda"] or present[:1]
+    reasons = [_no_effect(d) for d in cuda]
+    if all(reasons):
+        warnings.warn(f"{call}: {reasons[0]}; the flags are set all the same", UserWarning,
+                      stacklevel=3)
 
 
 # ---------------------------------------------------------------- emulation
