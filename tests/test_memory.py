@@ -219,3 +219,63 @@ def test_the_step_is_the_one_step_with_the_modes_scaler_on_the_copys_weights(mon
     (o2,) = ampnb.memory_report(model, (x, y), nn.functional.cross_entropy, optimizer=sgd,
                                 modes=["apex-O2"]).stats
     assert o2.param_bytes * 2 == params and o2.optimizer_bytes == 2 * params
+
+
+class _Fp32Buffer(nn.Module):
+    """Builds an fp32 tensor in forward and multiplies it with its weight: under bf16-true the
+    weight is bf16, and torch refuses (mat1 and mat2 must have the same dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = torch.ones(x.shape[0], 8, dtype=torch.float32, device=x.device)
+        return torch.mm(extra, self.lin.weight.t()) + self.lin(x)
+
+
+def test_a_mode_that_fails_gets_its_own_row_and_the_others_run():
+    torch.manual_seed(0)
+    model, x = _Fp32Buffer(), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="same dtype") as torch_says, torch.no_grad():
+        torch.mm(torch.ones(4, 8), model.lin.weight.to(torch.bfloat16).t())  # what torch says
+    before = _state.snapshot()
+    report = ampnb.memory_report(model, x, modes=("32-true", "bf16-true", "bf16-mixed"))
+    assert _state.snapshot() == before
+    ok, bad, mixed = report.stats
+    assert not ok.error and not mixed.error and ok.saved_bytes > 0 and mixed.saved_bytes > 0
+    assert ok == ampnb.instruments.memory.measure_memory(model, x)  # the rows that ran are whole
+    line = _Fp32Buffer.forward.__code__.co_firstlineno + 2
+    assert bad.error == (f"RuntimeError: {str(torch_says.value).splitlines()[0]} "
+                         f"(at forward, test_memory.py:{line}); under bfloat16")
+    text = repr(report)
+    assert "bf16-true" in text and "failed" in text and "same dtype" in text
+    assert report.table().rows[1][1] == "failed" and report.table().rows[2][2].endswith("x")
+
+
+def test_every_mode_failing_raises_the_first_error():
+    model, x = _Fp32Buffer(), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        ampnb.memory_report(model, x, modes=("bf16-true",))
+
+
+def test_compare_reports_the_failing_mode_in_its_row():
+    torch.manual_seed(0)
+    model, x = _Fp32Buffer(), torch.randn(4, 8)
+    mode = ampnb.get_mode("bf16-true")
+
+    def prepare(m):
+        m.convert_module(model) if m.name == "bf16-true" else None
+        return ""
+
+    def restore():
+        model.float()
+
+    from ampnb.comparison import Work
+
+    work = Work(lambda: model(x), prepare=prepare, restore=restore)
+    c = ampnb.compare(work, ["bf16-true", "bf16-mixed"], repeat=1, model=model)
+    bad, good = c.row("bf16-true"), c.row("bf16-mixed")
+    assert bad.failed and "same dtype" in bad.note and "at forward, test_memory.py:" in bad.note
+    assert not good.failed and good.result_dtypes == ("bfloat16",)
+    assert mode.name in repr(c)

@@ -15,7 +15,7 @@ from torch import nn
 from ampnb._interrupt import Guard
 from ampnb.batch import failure
 from ampnb.comparison.result import REFERENCE, Comparison, Row, dtypes, errors, kept
-from ampnb.device import TF32_ALLOWED, place, sync, tf32_setting, tf32_state
+from ampnb.device import TF32_ALLOWED, devices, place, sync, tf32_setting, tf32_state
 from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
@@ -120,10 +120,14 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
                          "whose submodules the patterns name")
     islands = matching_modules(model, keep_fp32) if keep_fp32 is not None else {}
     entries = _entries(modes, setting)
-    for e in entries if stated is not None else ():  # absent: say what would run instead
-        get_mode(e.mode).check(stated)
-    where = place([("the model's parameters", model)] if model is not None else [], stated,
-                  fallback="compare was given no model= to take it from")
+    try:
+        where = place([("the model's parameters", model)] if model is not None else [], stated,
+                      fallback="compare was given no model= to take it from")
+    except ValueError:
+        if stated is not None and all(d.type != stated.type for d in devices()):
+            for e in entries:  # an absent device: the mode says what would run instead
+                get_mode(e.mode).check(stated)
+        raise
     dev = torch.device(where.device)
     for e in entries:
         get_mode(e.mode).check(dev)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -123,7 +124,6 @@ def run_compare(shell: Any, cell: str, s: StepSettings, modes_text: str, repeat:
     if start.unrestored():
         notes.append(f"changed in place and too large to copy, so NOT restored: "
                      f"{', '.join(start.unrestored())}")
-    if where is not None:
-        notes.insert(0, f"on {where}")
+    why = where.why if where is not None else ""
     return AmpRun("compare", s.device, _tf32_text(s), None, (), tuple(dict.fromkeys(notes)),
-                  comparison=result, why=where.why if where is not None else "")
+                  comparison=dataclasses.replace(result, why=why) if why else result, why=why)
