@@ -5,8 +5,8 @@ from. An op whose output is non-finite passes its non-finite inputs' origins on 
 origin itself when its inputs were all finite); an op whose output is finite (torch.where
 masking T5's log(0), softmax over an attention mask, a cast to integers) ends those chains.
 At report time the cause is the earliest origin of a chain nobody ended (the loss, a gradient,
-what the step returned); origins whose chains were all ended were made on purpose and
-discarded, and are listed as such, never blamed.
+what the step returned); origins whose chains were all ended are listed as discarded (masked away on purpose, as T5
+does, or absorbed by accident, as tanh absorbs an overflowed cube), never blamed.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class NonFinite(TableView):
     ops_checked: int = 0
     deliberate: int = 0  # ops given an inf/NaN constant (masked_fill(-inf)): not blamed
     value: Any = field(default=None, repr=False)
-    # ops that made inf/NaN from finite inputs which was masked away before the end (T5's
-    # log(0) under torch.where): made on purpose and discarded, never the cause
+    # ops that made inf/NaN from finite inputs which a later op ended before the end (T5's
+    # log(0) under torch.where, an overflow squashed by tanh): discarded, never the cause
     discarded: tuple[NonFinite, ...] = field(default=(), repr=False)
 
     @property
@@ -80,8 +80,11 @@ class NonFinite(TableView):
             return self._message()
         shown = ", ".join(d.where_text for d in self.discarded[:3])
         more = f" and {len(self.discarded) - 3} more" if len(self.discarded) > 3 else ""
-        return (f"{self._message()}; {len(self.discarded)} made inf/NaN on purpose and "
-                f"discarded it before the end: {shown}{more}")
+        # Whether it was meant (T5's masked log(0)) or not (a cube tanh squashed) is not known here.
+        n = len(self.discarded)
+        ops = f"{n} {'other ' if self.found else ''}op{'s' if n > 1 else ''}"
+        return (f"{self._message()}; {ops} made inf/NaN that was discarded before the end (a "
+                f"later op masked or absorbed it; not blamed): {shown}{more}")
 
     def _message(self) -> str:
         where = f"{self.op} in {self.module or 'no module'} ({self.phase})"
@@ -214,7 +217,7 @@ class Hunter(OpWatch):
 
     The cause is the first op that made inf/NaN from finite inputs whose inf/NaN reached the
     end of the run (the loss, a gradient) through ops whose outputs all held inf/NaN. inf/NaN
-    made and then masked away is listed as discarded, never blamed. inf/NaN that an op was
+    made and then masked or absorbed is listed as discarded, never blamed. inf/NaN that an op was
     handed from outside the run (data, weights) is reported where it was first seen entering,
     and the report stays falsy.
     """
@@ -321,7 +324,7 @@ class Hunter(OpWatch):
     def report(self, value: Any = None) -> NonFinite:
         """The first op that made inf/NaN from finite inputs that reached the end; falsy
         otherwise (then it still says where inf/NaN first came in from outside, if it did).
-        Either way `discarded` lists the inf/NaN made on purpose and masked away."""
+        Either way `discarded` lists the inf/NaN that later ops masked or absorbed."""
         cause, discarded = self._settle()
         found = cause or self.seen_from_outside
         if found is None:
@@ -345,7 +348,7 @@ class Hunter(OpWatch):
 
 def find_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFinite:
     """Run fn(*args, **kwargs) and report the first op that turned finite inputs into inf/NaN
-    which then reached the end (loss, gradients); inf/NaN masked away is listed as discarded."""
+    which then reached the end (loss, gradients); inf/NaN masked or absorbed is listed as discarded."""
     if not callable(fn):
         raise ValueError(f"find_nonfinite needs a function to run (e.g. a forward + backward "
                          f"step), got {type(fn).__name__}")
