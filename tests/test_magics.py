@@ -63,6 +63,16 @@ def test_tf32_on_on_cpu_says_it_changes_nothing(ip):
     assert any("no effect on cpu" in n for n in ip.user_ns["r"].notes)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU note")
+@pytest.mark.parametrize("line", ["bf16-mixed --tf32 on", "--compare bf16-mixed -r 1 --tf32 on"])
+def test_the_tf32_line_and_its_note_agree_and_say_it_once(ip, line):
+    _amp(ip, f"{line} -o r", "lin(x)")
+    run = ip.user_ns["r"]
+    said = [n for n in run.notes if "no effect on cpu" in n]
+    assert run.tf32 == "on" and len(said) == 1  # the switch was on while the cell ran
+    assert "(switch: on)" in said[0] and "switch: off" not in repr(run)
+
+
 def test_show_code_runs_and_gives_the_same_result(ip):
     for line, needles in [
         ("bf16-mixed", ['torch.autocast(device_type="cpu", dtype=torch.bfloat16)',

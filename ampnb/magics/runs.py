@@ -24,6 +24,7 @@ from ampnb.device import (
     place,
     support,
     sync,
+    tf32_context,
     tf32_effect,
     tf32_state,
 )
@@ -155,7 +156,9 @@ def _notes(s: StepSettings, mode: PrecisionMode, emulation: Any = None) -> list[
         notes.append("apex-O2: convert the model with get_mode('apex-O2').convert_module(model) "
                      "(fp16 but batch norm); each optimizer.step() in the cell steps fp32 masters")
     if s.tf32 == "on" and get_device(s.device).type != "cuda":
-        notes.append(tf32_effect(s.device) + "; --tf32 emulate shows its rounding")
+        with tf32_context(s.tf32, s.device):  # the switch as the cell had it, not as restored
+            said = tf32_effect(s.device)
+        notes.append(said + "; --tf32 emulate shows its rounding")
     if emulation is not None:
         notes.append(f"TF32 emulated: the fp32 inputs of {emulation.rounded_ops} matmul/convolution "
                      "calls were rounded to TF32's 10-bit mantissa")
