@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,28 +131,48 @@ def _cuda_live() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
+def _numpy() -> Any:
+    """numpy's module when the user's code has imported it (ampnb never imports it itself)."""
+    return sys.modules.get("numpy")
+
+
 @dataclass(frozen=True, eq=False)
 class Rng:
-    """torch's CPU generator and, once CUDA is up, every CUDA generator."""
+    """Every generator a model's forward may draw from: torch's CPU generator, every CUDA
+    generator once CUDA is up, numpy's global one (once imported) and Python's `random`."""
 
     cpu: torch.Tensor
     cuda: list[torch.Tensor] | None
+    numpy: Any = None
+    python: Any = None
 
     @classmethod
     def take(cls) -> Rng:
-        return cls(torch.get_rng_state(), torch.cuda.get_rng_state_all() if _cuda_live() else None)
+        np = _numpy()
+        return cls(torch.get_rng_state(), torch.cuda.get_rng_state_all() if _cuda_live() else None,
+                   np.random.get_state() if np is not None else None, random.getstate())
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
+        np = _numpy()
+        if np is not None and self.numpy is not None:
+            np.random.set_state(self.numpy)
+        if self.python is not None:
+            random.setstate(self.python)
 
 
 def seed(value: int, device: str) -> None:
-    """Seed the generator the run draws from (CUDA's only when the run is on CUDA)."""
+    """Seed every generator a run draws from, alike in each run: torch's (CUDA's when the run is
+    on CUDA), numpy's global one (SpecAugment-style masks) and Python's `random`."""
     torch.default_generator.manual_seed(value)
     if torch.device(device).type == "cuda":
         torch.cuda.manual_seed_all(value)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(value % 2**32)
+    random.seed(value)
 
 
 def check_optimizer(model: nn.Module, optimizer: Any) -> None:

@@ -11,7 +11,8 @@ from doctor_models import Plain, data
 from torch import nn
 
 import ampnb
-import ampnb.diagnosis.core as core
+import ampnb.diagnosis.headline as headline
+import ampnb.diagnosis.pipeline as pipeline
 import ampnb.diagnosis.run as run
 from ampnb.diagnosis.candidates import candidates
 from ampnb.diagnosis.evidence import speed, spread
@@ -23,21 +24,23 @@ MS = 1e-3
 
 def _inject(monkeypatch: pytest.MonkeyPatch, times: dict[str, list[float]], native: bool = True
             ) -> list[list[tuple[str, int]]]:
-    """time_steps answers the given step times per mode (bf16 counted native when asked)."""
+    """The headline's round-robin answers the given step times per mode, and 32-true's
+    step-to-step variation is taken from them (bf16 counted native when asked)."""
     calls: list[list[tuple[str, int]]] = []
 
-    def fake(setup, runs, warmup=1):
-        calls.append([(c.name, n) for c, _, _, n in runs])
-        return [list(times[c.name][:n]) for c, _, _, n in runs]
+    def fake(setup, timed, copies, scalers, estimates, clock, repeat, say, *, must):
+        calls.append([(c.name, repeat) for c in timed])
+        return {c.name: list(times[c.name][:repeat]) for c in timed} if len(timed) > 1 else {}
 
     def cands(modes, device):
         found, skipped = candidates(modes, device)
         return [dataclasses.replace(c, native=native, how="native") if native else c
                 for c in found], skipped
 
-    monkeypatch.setattr(core, "time_steps", fake)
-    monkeypatch.setattr(core, "candidates", cands)
-    monkeypatch.setattr(core, "SLOW", float("inf"))  # every mode gets `repeat` steps here
+    real_noise = headline._noise
+    monkeypatch.setattr(headline, "_rounds", fake)
+    monkeypatch.setattr(headline, "_noise", lambda _: real_noise(times["32-true"]))
+    monkeypatch.setattr(pipeline, "candidates", cands)
     return calls
 
 

@@ -45,14 +45,24 @@ class ModeRow:
     ratio_spread: tuple[float, float] | None = None    # its low-high from the two spreads
     seconds_spread: tuple[float, float] | None = None  # this mode's step times, low-high
     measurable: bool = False          # the spreads do not overlap: faster or slower for sure
+    noise: float | None = None        # 32-true's step-to-step variation measured here
+    timed: int = 0                    # timed steps behind the ratio (each mode)
 
     @property
     def speed(self) -> str:
         """The speed against 32-true with its spread, or 'no measurable difference'."""
         if self.ratio is None:
             return "-"
-        spread = (f" ({self.ratio_spread[0]:.2f}-{self.ratio_spread[1]:.2f}x)"
-                  if self.ratio_spread else f" (fewer than {MIN_TIMED} timed steps: no spread)")
+        slower = f" = {1 / self.ratio:.1f}x slower" if self.measurable and self.ratio < 1 else ""
+        if self.ratio_spread:
+            spread = f" ({self.ratio_spread[0]:.2f}-{self.ratio_spread[1]:.2f}x{slower})"
+        else:
+            steps = f"{self.timed} timed step{'s' if self.timed != 1 else ''} each"
+            var = "" if self.noise is None else f"the {self.noise:.0%} step-to-step variation " \
+                                                "measured here"
+            spread = (f" ({steps}{slower}: a gap larger than {var})" if self.measurable else
+                      f" (fewer than {MIN_TIMED} timed steps: no spread" +
+                      (f"; within {var})" if var else ")"))
         return (f"{self.ratio:.2f}x{spread}" if self.measurable
                 else f"no measurable difference{spread}")
 
@@ -90,9 +100,11 @@ def spread(times: list[float] | None) -> tuple[float, float] | None:
     return q1, q3
 
 
-def speed(times: list[float] | None, ref_times: list[float] | None
+def speed(times: list[float] | None, ref_times: list[float] | None, noise: float | None = None
           ) -> tuple[float | None, float | None, tuple[float, float] | None, bool]:
-    """(speedup the spread supports, measured median ratio, its low-high, measurable)."""
+    """(speedup the spread supports, measured median ratio, its low-high, measurable). With too
+    few steps for a spread, a gap larger than `noise` (32-true's measured step-to-step
+    variation) is measurable."""
     seconds = statistics.median(times) if times else None
     ref_s = statistics.median(ref_times) if ref_times else None
     if not seconds or not ref_s:
@@ -100,6 +112,8 @@ def speed(times: list[float] | None, ref_times: list[float] | None
     ratio = ref_s / seconds
     mine, ref = spread(times), spread(ref_times)
     if mine is None or ref is None:
+        if noise is not None and abs(math.log(ratio)) > math.log1p(noise):
+            return ratio, ratio, None, True
         return 1.0, ratio, None, False
     low, high = ref[0] / mine[1], ref[1] / mine[0]
     # Faster (slower) only when the spreads do not overlap: the mode's slow end (upper quartile)
@@ -109,11 +123,12 @@ def speed(times: list[float] | None, ref_times: list[float] | None
 
 
 def mode_row(cand: Candidate, run: StepResult, ref: StepResult, times: list[float] | None,
-             ref_times: list[float] | None, keep: tuple[str, ...] = ()) -> ModeRow:
+             ref_times: list[float] | None, keep: tuple[str, ...] = (), *,
+             noise: float | None = None) -> ModeRow:
     """The evidence row of one run against the reference (`ref_times` timed round-robin with
     `times`); `speedup` is the measured ratio when measurable, 1.0 when noise could explain it."""
     seconds = statistics.median(times) if times else None
-    speedup, ratio, ratio_spread, measurable = speed(times, ref_times)
+    speedup, ratio, ratio_spread, measurable = speed(times, ref_times, noise)
     # inf/NaN in the loss, forward or gradients: where the hunter found it; else in the weights
     nf = run.nonfinite if not run.step_finite else None
     message, module, phase = (nf.message, _module(nf.module), nf.phase) if nf else (
@@ -124,7 +139,7 @@ def mode_row(cand: Candidate, run: StepResult, ref: StepResult, times: list[floa
         run.optimizer_bytes, run.saved_bytes, run.loss, rel(run.loss, ref.loss),
         run.grad_error, run.finite, message, module, phase, run.scale,
         run.skipped, first.message if first else "", run.lost_updates, ratio, ratio_spread,
-        spread(times), measurable)
+        spread(times), measurable, noise, min(len(times or ()), len(ref_times or ())))
 
 
 def _module(path: str) -> str:

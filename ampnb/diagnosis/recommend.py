@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Mapping
@@ -126,14 +127,36 @@ def _enclosing(row: ModeRow, keep: tuple[str, ...], layers: tuple[LayerRow, ...]
     return [parent] if parent in {r.module for r in layers} and parent not in keep else []
 
 
+def grouped(keep: tuple[str, ...], new: list[str]) -> list[str]:
+    """Sites over MAX_ISLANDS put under their nearest common parents (the deepest module that
+    holds two or more of them first: T5's `DenseReluDense` for its Linear leaves) until they
+    fit, or no parent below the model itself is left to group them."""
+    found = [m for m in new if m not in keep]
+    while len(keep) + len(found) > MAX_ISLANDS:
+        under: dict[str, int] = {}
+        for m in found:
+            parts = m.split(".")
+            for i in range(1, len(parts)):
+                under[".".join(parts[:i])] = under.get(".".join(parts[:i]), 0) + 1
+        shared = [a for a, n in under.items() if n >= 2]
+        if not shared:
+            break
+        top = max(shared, key=lambda a: (a.count("."), under[a]))
+        first = next(i for i, m in enumerate(found) if m.startswith(f"{top}."))
+        rest = [m for m in found if not m.startswith(f"{top}.")]
+        found = rest[:first] + [top] + rest[first:]
+    return found
+
+
 def islands(row: ModeRow, layers: tuple[LayerRow, ...], tol: Tolerance,
-            rerun: Callable[[tuple[str, ...]], ModeRow], max_reruns: int | None = None
-            ) -> ModeRow | None:
+            rerun: Callable[[tuple[str, ...]], ModeRow], max_reruns: int | None = None,
+            notes: list[str] | None = None) -> ModeRow | None:
     """The 1-minimal verified fp32 islands (None: no fix). Grow from the causal sites round by
     round, rerunning, until the mode is acceptable; then drop each island in turn (downstream
     first) and keep it dropped while the rerun stays acceptable, until every remaining island
     was verified needed against the final set. At most `max_reruns` reruns (None: no bound);
-    the row's `search` says whether minimality was verified."""
+    the row's `search` says whether minimality was verified; `notes` gets why a search found
+    nothing (never silently)."""
     fmt = ISLAND_MODES.get(row.name)
     if fmt is None or acceptable(row, tol.loss, tol.grad):
         return None
@@ -152,11 +175,24 @@ def islands(row: ModeRow, layers: tuple[LayerRow, ...], tol: Tolerance,
 
     keep: tuple[str, ...] = ()
     current = row
+    said = notes if notes is not None else []
     for _ in range(MAX_ROUNDS):
         new = [m for m in sites(current, layers, fmt, tol.grad) if m not in keep]
         if not new and keep and not current.finite:
             new = _enclosing(current, keep, layers)
-        if not new or len(keep) + len(new) > MAX_ISLANDS or len(runs) - 1 >= budget:
+        if not new:
+            if not keep:
+                said.append("no module stood out: no inf/NaN site, no leaf past the format's max, "
+                            f"no leaf's local error {LOCAL_OUTLIER:g}x the mode's median")
+            break
+        if len(keep) + len(new) > MAX_ISLANDS:
+            new = grouped(keep, new)
+        if len(keep) + len(new) > MAX_ISLANDS:
+            said.append(f"{len(keep) + len(new)} modules to keep, over the cap of {MAX_ISLANDS}, "
+                        f"and no common parent below the model groups them "
+                        f"({', '.join(new[:3])}, ...): the search stopped")
+            break
+        if len(runs) - 1 >= budget:
             break
         keep = (*keep, *new)
         current = run(keep)
@@ -276,14 +312,44 @@ def choose(rows: list[ModeRow], tol: Tolerance, code: Callable[[str, tuple[str, 
     best_low = _make(lowp[0], ref, rows, tol, code, checks=checks) if lowp else None
     if fast:
         pick = max(fast, key=lambda r: (r.speedup, -len(r.keep_fp32)))
-        return _make(pick, ref, rows, tol, code, rejected, checks), (
-            None if best_low is None or best_low.mode == pick.name else best_low)
+        tie = _bf16_tie(pick, ok)
+        made = _make(tie or pick, ref, rows, tol, code, rejected, checks)
+        if tie is not None:
+            made = dataclasses.replace(made, reasons=(made.reasons[0], _tie_reason(tie, pick),
+                                                      *made.reasons[1:]))
+        return made, (None if best_low is None or best_low.mode == made.mode else best_low)
     slow = [f"{r.label}: {_speed(r)} ({r.how})" for r in rows[1:] if r in ok]
     reasons = [f"nothing that stays within tolerance is measurably faster than 32-true on this "
                f"machine (counted: native units, at least {SPEEDUP_MIN}x, and the mode's slow end "
                "of step times below 32-true's fast end, timed round-robin)", *slow,
                *rejected]
     return (Recommendation("32-true", (), tuple(reasons), code("32-true", (), False)), best_low)
+
+
+def apart(a: ModeRow, b: ModeRow) -> bool:
+    """Whether two modes' step times differ measurably: their spreads do not overlap or, with
+    too few steps for spreads, the gap is larger than the step-to-step variation measured."""
+    if a.seconds_spread and b.seconds_spread:
+        return a.seconds_spread[1] < b.seconds_spread[0] or b.seconds_spread[1] < a.seconds_spread[0]
+    noise = a.noise if a.noise is not None else b.noise
+    if not a.seconds or not b.seconds or noise is None:
+        return False
+    return abs(math.log(a.seconds / b.seconds)) > math.log1p(noise)
+
+
+def _bf16_tie(pick: ModeRow, ok: list[ModeRow]) -> ModeRow | None:
+    """bf16-mixed where 16-mixed won by a margin the timing cannot tell apart (None: no tie)."""
+    if pick.name != "16-mixed":
+        return None
+    bf16 = next((r for r in ok if r.name == "bf16-mixed" and r.native and r.ratio is not None
+                 and r.keep_fp32 == pick.keep_fp32), None)
+    return bf16 if bf16 is not None and not apart(bf16, pick) else None
+
+
+def _tie_reason(bf16: ModeRow, fp16: ModeRow) -> str:
+    return (f"bf16-mixed and 16-mixed hold alike and are not measurably different in speed here "
+            f"({bf16.speed} against {fp16.speed}): bf16-mixed is chosen — no GradScaler and "
+            "fp32's range, as PyTorch's and Lightning's docs advise where bf16 runs natively")
 
 
 def _make(row: ModeRow, ref: ModeRow, rows: list[ModeRow], tol: Tolerance,

@@ -51,6 +51,7 @@ class DoctorReport:
     left_out: tuple[str, ...] = ()   # work that did not fit the time budget
     budget: str = ""                 # the budget, what was spent, and the order of the work
     checks: dict[str, Any] = field(default_factory=dict)  # true mode -> its multi-step TrainCheck
+    noise: float | None = None       # 32-true's step-to-step variation, measured in this run
 
     def mode(self, name: str, keep: tuple[str, ...] = ()) -> ModeRow:
         """The row of a candidate (with given islands)."""
@@ -64,13 +65,16 @@ class DoctorReport:
         """How the speeds were measured: steps, order, spread and threads."""
         return (f"timing: {self.repeat} steps per mode after a warm-up round, round-robin across "
                 "modes (drift hits all alike); spread: interquartile range of step times "
-                "(min-max under 5 steps); faster or slower only when the spreads do not overlap; "
+                "(min-max under 5 steps); faster or slower only when the spreads do not overlap "
+                "(under 3 steps: when the gap is larger than 32-true's step-to-step variation"
+                + (f", {self.noise:.0%} here" if self.noise is not None else "") + "); "
                 f"{self.threads} CPU threads (torch.get_num_threads(), as set)")
 
     @property
     def verdict(self) -> str:
         """The recommendation and its reasons, then the low-precision choice for elsewhere."""
-        lines = [f"On {self.device}: use {self.recommended.headline}"]
+        lines = [f"On {self.device} (where the model's parameters are): use "
+                 f"{self.recommended.headline}"]
         lines += [f"- {r}" for r in self.recommended.reasons]
         if self.threads is not None:
             lines.append(f"- {self.timing}")

@@ -21,7 +21,9 @@ from ampnb.batch import Batch
 from ampnb.device import sync
 from ampnb.diagnosis.candidates import Candidate
 from ampnb.diagnosis.errors import NOT_COMPARED, Err, Total, compare, moved
-from ampnb.diagnosis.spill import Spill
+from ampnb.diagnosis.memory_cap import MemoryCap
+from ampnb.diagnosis.stochastic import Quiet
+from ampnb.diagnosis.store import Store
 from ampnb.diagnosis.weights import eps_causes, narrow, weights, weights_left
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
@@ -44,16 +46,18 @@ class Setup:
     seed: int = 0
     step: Callable[[nn.Module], Any] | None = None  # a cell's code: net -> loss (batch unused)
     scratch: str | None = None                     # a temporary folder (None: one is made)
+    quiet: Quiet = Quiet()                         # modules kept from drawing random numbers
+    cap: MemoryCap | None = None                   # where the reference's tensors may wait
 
     @property
     def model(self) -> nn.Module:
         """The user's model (its structure and module names)."""
         return self.start.model
 
-    def spill(self) -> Spill:
-        """A new on-disk store under the scratch folder."""
+    def spill(self) -> Store:
+        """A new store for the reference's tensors (memory under the cap, then disk)."""
         root = self.scratch or tempfile.mkdtemp(prefix="ampnb-doctor-")
-        return Spill(tempfile.mkdtemp(dir=root))
+        return Store(tempfile.mkdtemp(dir=root), self.cap)
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +88,7 @@ class StepResult:
     # the reference's own (empty in a candidate's result):
     grads: Mapping[str, torch.Tensor] = field(default_factory=dict)  # unscaled, on disk
     moved: dict[str, torch.Tensor] = field(default_factory=dict)   # entries its step changed
-    outputs: Spill | None = None                                   # module outputs, on disk
+    outputs: Store | None = None                                   # module outputs (Store)
     local: dict[str, dict[str, Err]] = field(default_factory=dict)  # leaf -> candidate -> error
 
     @property
@@ -112,6 +116,7 @@ def _nbytes(ts: Iterable[Any]) -> int:
 def _copy(setup: Setup, cand: Candidate) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A fresh model in the candidate's mode and the user's optimizer over it."""
     net, opt = setup.start.copy(cand.mode, setup.device)
+    setup.quiet.apply(net)
     if setup.step is not None:  # code written for the fp32 model: cast its inputs as the mode does
         mode = cand.mode
         net.register_forward_pre_hook(lambda m, a, k: (mode.convert_input(a), mode.convert_input(k)),
@@ -141,7 +146,7 @@ class _Grads:
     reference's as they are read (a candidate), or kept (the reference itself)."""
 
     def __init__(self, net: nn.Module, ref: Mapping[str, torch.Tensor] | None,
-                 keep: Spill | None = None) -> None:
+                 keep: Store | None = None) -> None:
         self.net, self.ref, self.kept = net, ref, keep
         self.total = Total()
         self.errors: dict[str, float] = {}
@@ -211,7 +216,7 @@ class _Recorder:
     spilled to disk (the reference) or compared with the reference's (a candidate); leaves of
     the reference also run alone in each `local` candidate (their local error), then drop it."""
 
-    def __init__(self, net: nn.Module, setup: Setup, spill: Spill | None, ref: Spill | None,
+    def __init__(self, net: nn.Module, setup: Setup, spill: Store | None, ref: Store | None,
                  local: Sequence[Candidate] = ()) -> None:
         self.setup, self.spill, self.ref, self.cands = setup, spill, ref, tuple(local)
         self.amax: dict[str, float] = {}
@@ -273,14 +278,15 @@ def _keep(net: nn.Module, keep: tuple[str, ...]) -> contextlib.AbstractContextMa
 
 
 def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference: bool = False,
-            ref: StepResult | None = None, local: Sequence[Candidate] = (), plain: int = 0
-            ) -> StepResult:
+            ref: StepResult | None = None, local: Sequence[Candidate] = (), plain: int = 0,
+            scale: float | None = None) -> StepResult:
     """One instrumented step: output error and amax per module, first inf/NaN op, memory, loss,
     gradient error, and what it left in the weights, compared with `ref` (32-true's result) as
     they stream; `reference=True` keeps what the others compare against (and runs each leaf
-    alone in the `local` candidates). `plain` more steps, timed, follow on the same warm copy."""
+    alone in the `local` candidates). `plain` more steps, timed, follow on the same warm copy;
+    `scale`: a GradScaler's starting scale (the one the headline's step settled at)."""
     net, opt = _copy(setup, cand)
-    scaler = cand.mode.make_scaler(setup.device)
+    scaler = _scaler(cand, setup.device, scale)
     # the reference's weights before its step are the snapshot's (on disk): nothing to copy
     before = weights(net) if ref is not None and narrow(cand.mode) else {}
     rec = _Recorder(net, setup, setup.spill() if reference else None,

@@ -1,0 +1,231 @@
+"""The doctor's headline: every mode this machine runs natively or slowly, as plain steps.
+
+Each mode's first step starts from the snapshot and gives its loss and gradient errors against
+32-true's (no per-module instruments); then the modes step round-robin on their working copies
+and those steps give the speeds. The budget cannot drop this stage: a mode is left out only when
+one of its steps, measured here beforehand, is larger than the whole budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ampnb.device import sync
+from ampnb.diagnosis.budget import Clock
+from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
+from ampnb.diagnosis.cost import ratios
+from ampnb.diagnosis.run import (
+    MIN_SCALE,
+    Setup,
+    StepResult,
+    _copy,
+    _Grads,
+    _nbytes,
+    _step,
+    _timed,
+    keeps_model,
+)
+from ampnb.diagnosis.stochastic import find
+from ampnb.diagnosis.weights import weights_left
+from ampnb.instruments.hunt import NonFinite
+from ampnb.instruments.memory import MemoryMeter
+from ampnb.modes import get_mode
+from ampnb.step import forward_loss
+
+UNIT_STEPS = 2  # plain 32-true steps after its first: the budget's unit, and the noise
+
+
+@dataclass(frozen=True, eq=False)
+class Headline:
+    """What the headline measured: each mode's first step (errors), its timed steps, the
+    machine's step-to-step variation, and each mode's step cost measured before it ran."""
+
+    setup: Setup                                   # with the modules kept from drawing
+    ref: StepResult                                # 32-true's first step (its gradients kept)
+    runs: dict[str, StepResult]                    # each mode's first step, 32-true's included
+    times: dict[str, list[float]]                  # round-robin timed steps per mode
+    noise: float | None                            # 32-true's (max - min) / min over its steps
+    beside: dict[str, list[float]] = field(default_factory=dict)  # 32-true's steps in its rounds
+    estimates: dict[str, float] = field(default_factory=dict)  # seconds per step, beforehand
+    too_large: tuple[str, ...] = ()                # modes whose one step is over the budget
+
+
+def reset(setup: Setup, net: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The working copy back at the snapshot's values (weights, buffers, optimizer state)."""
+    setup.start.master.load_into(net)
+    opt.load_state_dict(setup.start.master.optimizer_state())
+
+
+def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.Optimizer,
+               ref: StepResult | None, clock: Clock) -> StepResult:
+    """A mode's step from the snapshot, its unscaled gradients compared with `ref`'s as they are
+    read (`ref` None: the reference, whose gradients are kept). A GradScaler that skips the step
+    halves its scale and steps again, as training would: each of those steps counts."""
+    scaler = cand.mode.make_scaler(setup.device)
+    store = setup.spill() if ref is None else None
+    skipped = 0
+    while True:
+        grads = _Grads(net, None if ref is None else ref.grads, store)
+        with cand.context(setup.device), MemoryMeter(setup.device) as meter:
+            sync(setup.device)
+            t0 = time.perf_counter()
+            out = _step(net, opt, setup, cand, scaler, grads)
+            sync(setup.device)
+            seconds = time.perf_counter() - t0
+        if grads.finite or not out.skipped or scaler is None:
+            break
+        if float(scaler.get_scale()) < MIN_SCALE or not clock.fits(
+                seconds, f"{cand.name}: another step at half the loss scale"):
+            break
+        skipped += 1
+    if store is not None:
+        store.seal()
+    left = weights_left(net, opt, {}, None)
+    return StepResult(
+        name=cand.name, loss=float(out.loss.float()), grads_finite=grads.finite,
+        grad_error=0.0 if ref is None else grads.error, param_errors=grads.errors,
+        end_to_end={}, amax={}, nonfinite=NonFinite(False), saved_bytes=meter.peak_bytes,
+        param_bytes=_nbytes(net.parameters()),
+        grad_bytes=_nbytes(p.grad for p in net.parameters()),
+        optimizer_bytes=_nbytes(v for st in opt.state.values() for v in st.values()),
+        scale=out.scale, skipped=skipped, seconds=seconds, grads=store or {}, **left)
+
+
+def _noise(times: Sequence[float]) -> float | None:
+    return (max(times) - min(times)) / min(times) if len(times) >= 2 and min(times) > 0 else None
+
+
+def _quiet(setup: Setup, net: nn.Module) -> Setup:
+    """The setup with the modules that draw random numbers kept from drawing (found in one
+    forward of the working copy, no gradients)."""
+    if setup.step is not None:  # a cell's code calls backward itself: watch its whole step
+        quiet = find(net, lambda: setup.step(net), grad=True)
+    else:
+        quiet = find(net, lambda: forward_loss(get_mode("32-true"), net, setup.batch,
+                                               setup.loss_fn, setup.device))
+    quiet.apply(net)
+    return dataclasses.replace(setup, quiet=quiet)
+
+
+def headline(setup: Setup, ref_cand: Candidate, cands: Sequence[Candidate], clock: Clock,
+             repeat: int, say: Callable[[str], None]) -> Headline:
+    """32-true's first step and the unit; each candidate's cost (probed), first step and timed
+    steps, round-robin."""
+    net, opt = _copy(setup, ref_cand)  # the working copy of every mode that keeps fp32 weights
+    setup = _quiet(setup, net)
+    reset(setup, net, opt)
+    say(f"{ref_cand.name}: its first step (the reference) and {UNIT_STEPS} plain steps")
+    ref = first_step(setup, ref_cand, net, opt, None, clock)
+    unit: list[float] = []
+    if ref.finite:
+        for _ in range(UNIT_STEPS):
+            _timed(setup, ref_cand, net, opt, None, unit)
+        clock.plain = min(unit)
+    head = Headline(setup, ref, {ref_cand.name: ref}, {}, None)
+    if not ref.finite:
+        return head
+    copies: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {"fp32": (net, opt)}
+    mixed = [c for c in cands if keeps_model(c)]
+    head, scalers = _first_steps(head, ref_cand, mixed, copies, clock, say, must=True)
+    times = _rounds(setup, [ref_cand, *(c for c in mixed if c.name in head.runs)], copies,
+                    scalers, head.estimates, clock, repeat, say, must=True)
+    # true modes convert the model (a copy of their own) and are recommended only after a
+    # multi-step check: their step, then their timing, as the budget allows
+    true = [c for c in cands if not keeps_model(c)]
+    head, more = _first_steps(head, ref_cand, true, copies, clock, say, must=False)
+    later = _rounds(setup, [ref_cand, *(c for c in true if c.name in head.runs)], copies,
+                    more, head.estimates, clock, repeat, say, must=False)
+    beside = {n: times.get(ref_cand.name, []) for n in times}
+    beside.update({n: later.get(ref_cand.name, []) for n in later})
+    times.update({n: t for n, t in later.items() if n != ref_cand.name})
+    return dataclasses.replace(head, times=times, beside=beside,
+                               noise=_noise(unit + times.get(ref_cand.name, [])))
+
+
+def later_steps(head: Headline, cands: Sequence[Candidate], clock: Clock,
+                say: Callable[[str], None]) -> Headline:
+    """The emulated modes' first steps (their accuracy; a speed here would say nothing), as the
+    budget allows, each priced by its own probe."""
+    if not cands:
+        return head
+    ref_cand = candidate(REFERENCE, head.setup.device)
+    copies = {"fp32": _copy(head.setup, ref_cand)}
+    return _first_steps(head, ref_cand, cands, copies, clock, say, must=False)[0]
+
+
+def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate], copies: dict,
+                 clock: Clock, say: Callable[[str], None], *, must: bool
+                 ) -> tuple[Headline, dict[str, torch.amp.GradScaler | None]]:
+    """Each candidate's cost, probed on its working copy, then its first step: always when
+    `must` (the headline) unless one step is larger than the whole budget, else as it fits."""
+    setup, plain = head.setup, clock.plain
+    estimates = dict(head.estimates)
+    runs, too_large = dict(head.runs), list(head.too_large)
+    scalers: dict[str, torch.amp.GradScaler | None] = {}
+    limit = clock.budget.limit(plain)
+    for c in cands:
+        key = "fp32" if keeps_model(c) else c.name
+        if not must and clock.left < plain:  # not even a plain step left: no copy, no probe
+            clock.skip(f"{c.name}: its step")
+            continue
+        if key not in copies:
+            copies[key] = _copy(setup, c)
+        found = ratios((ref_cand, copies["fp32"][0]), [(c, copies[key][0])], setup.batch,
+                       setup.loss_fn, setup.device) if setup.step is None else {}
+        estimates[c.name] = plain * found.get(c.name, 1.0)
+        what = f"{c.name}: its step"
+        if estimates[c.name] > limit:
+            too_large.append(c.name)
+            clock.skip(what, f"one step is about {estimates[c.name] / plain:.1f} plain steps "
+                       "(its forward on a slice of the batch, measured), more than the whole "
+                       "budget")
+            continue
+        if not must and not clock.fits(estimates[c.name], what):
+            continue
+        reset(setup, *copies[key])
+        say(f"{c.name}: its first step ({c.how})")
+        try:
+            runs[c.name] = first_step(setup, c, *copies[key], head.ref, clock)
+        except RuntimeError as e:  # e.g. a kernel this CPU lacks for the dtype
+            clock.skip(what, f"could not run here: {str(e).splitlines()[0][:100]}")
+            continue
+        estimates[c.name] = runs[c.name].seconds
+        scale = runs[c.name].scale
+        scalers[c.name] = c.mode.make_scaler(setup.device) if scale is None else \
+            torch.amp.GradScaler(torch.device(setup.device).type, init_scale=scale)
+    return dataclasses.replace(head, runs=runs, estimates=estimates,
+                               too_large=tuple(too_large)), scalers
+
+
+def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,
+            estimates: dict[str, float], clock: Clock, repeat: int,
+            say: Callable[[str], None], *, must: bool) -> dict[str, list[float]]:
+    """Up to `repeat` round-robin rounds, as many as the budget holds; at least one when `must`
+    (32-true and the mixed modes: the verdict's speeds)."""
+    if len(timed) < 2:
+        return {}
+    est = {c.name: clock.plain if c is timed[0] else estimates[c.name] for c in timed}
+    rounds = repeat
+    while rounds > 1 and clock.left < 1.25 * rounds * sum(est.values()):
+        rounds -= 1
+    if not must and clock.left < 1.25 * sum(est.values()):
+        for c in timed[1:]:
+            clock.skip(f"timing {c.name}")
+        return {}
+    if rounds < repeat:
+        clock.skip(f"timed steps {rounds + 1}-{repeat} of "
+                   f"{', '.join(c.name for c in timed[1:])} beside 32-true")
+    say(f"timing {len(timed)} modes round-robin ({rounds} steps each, "
+        f"{torch.get_num_threads()} threads)")
+    times: dict[str, list[float]] = {c.name: [] for c in timed}
+    for _ in range(rounds):
+        for c in timed:
+            net, opt = copies["fp32" if keeps_model(c) else c.name]
+            _timed(setup, c, net, opt, scalers.get(c.name), times[c.name])
+    return times
