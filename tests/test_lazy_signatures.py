@@ -20,8 +20,6 @@ PACKAGES = sorted(".".join(p.parent.relative_to(ROOT).parts)
                   if "lazy_exports(" in p.read_text())
 # Takes any Lightning 1.x Trainer keyword on purpose, and names the unknown ones.
 BARE_BY_DESIGN = {("ampnb", "explain_precision")}
-# Known, left to the fp8 package: DelayedScaling is a function taking `**kw` (issue #35).
-BARE_KNOWN = {("ampnb.fp8", "DelayedScaling")}
 
 
 def _exports() -> list[tuple[str, str]]:
@@ -53,9 +51,7 @@ def _bare(sig: inspect.Signature) -> bool:
     return bool(kinds) and all(k in (k.VAR_POSITIONAL, k.VAR_KEYWORD) for k in kinds)
 
 
-@pytest.mark.parametrize("package, name", [pytest.param(
-    *pn, marks=pytest.mark.xfail(strict=True, reason="fp8.DelayedScaling takes **kw (issue #35)"))
-    if pn in BARE_KNOWN else pn for pn in _exports() if pn not in BARE_BY_DESIGN])
+@pytest.mark.parametrize("package, name", [pn for pn in _exports() if pn not in BARE_BY_DESIGN])
 def test_no_public_callable_shows_a_bare_star_args_signature(package, name):
     found = getattr(importlib.import_module(package), name)
     if callable(found) and not isinstance(found, type):
