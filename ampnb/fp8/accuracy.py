@@ -71,7 +71,7 @@ def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, se
     if to_fp8:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the report lists skipped layers instead
-            model, report = convert_to_fp8(model, recipe, inplace=True)
+            model, report = convert_to_fp8(model, recipe, backend="ampnb", inplace=True)
         stats = Fp8Stats(model) if watch else None
     losses = []
     scaler = mode.make_scaler(device)

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import html
 import warnings
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ampnb.display import Table, TableView
+from ampnb.fp8.backends import (
+    Backend,
+    choose,
+    convert_torchao,
+    is_real_fp8_layer,
+    torchao_skip_reason,
+)
 from ampnb.fp8.layernorm import TeLayerNorm, replaceable
 from ampnb.fp8.layernorm import unsupported_reason as ln_unsupported
 from ampnb.fp8.layers import (
@@ -22,7 +32,7 @@ from ampnb.fp8.layers import (
     swap_children,
 )
 from ampnb.fp8.linear import MATMULS, Fp8Linear
-from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
+from ampnb.fp8.recipe import RECIPES, Fp8Recipe, from_recipe_name
 
 # FP8 GEMMs need aligned shapes; Lightning's Transformer Engine plugin skips Linear layers
 # whose in_features is not a multiple of 8 or out_features not a multiple of 16.
@@ -48,6 +58,13 @@ class Fp8Report(TableView):
     layers: tuple[LayerChoice, ...]
     left_out: tuple[tuple[str, int], ...] = ()  # other modules with parameters, by type
     params: ParameterShare = ParameterShare()  # the FP8 layers' weights among all parameters
+    backend: Backend = Backend("ampnb", "read off the model's layers")
+
+    def __repr__(self) -> str:
+        return f"{self.backend.line()}\n{self.table()!r}"  # which backend first, then the layers
+
+    def _repr_html_(self) -> str:
+        return f"<p>{html.escape(self.backend.line())}</p>{self.table()._repr_html_()}"
 
     @property
     def headline(self) -> str:
@@ -98,12 +115,13 @@ def unsupported_reason(layer: nn.Module) -> str:
 
 
 def _report(model: nn.Module, planned: bool) -> Fp8Report:
-    layers, taken, weights = [], [], []
+    layers, taken, weights, seen = [], [], [], set()
     for name, m in model.named_modules():
-        if isinstance(m, Fp8Linear):
-            kind = "Conv1D" if m.transposed else "Linear"
+        if isinstance(m, Fp8Linear) or (real := is_real_fp8_layer(m)):
+            kind = "Conv1D" if getattr(m, "transposed", False) else "Linear"
             layers.append(LayerChoice(name, kind, m.in_features, m.out_features, True))
             weights.append(m.weight)
+            seen.add("ampnb" if isinstance(m, Fp8Linear) else real)
         elif (kind := kind_of(m)) is not None:
             n_in, n_out = kind.features(m)
             reason = unsupported_reason(m)
@@ -118,7 +136,9 @@ def _report(model: nn.Module, planned: bool) -> Fp8Report:
         else:
             continue
         taken.append(m)
-    return Fp8Report(tuple(layers), left_out(model, taken), parameter_share(model, taken, weights))
+    backend = Backend(seen.pop() if len(seen) == 1 else "ampnb", "read off the model's layers")
+    return Fp8Report(tuple(layers), left_out(model, taken), parameter_share(model, taken, weights),
+                     backend)
 
 
 def fp8_report(model: nn.Module) -> Fp8Report:
@@ -151,15 +171,29 @@ def _convert(model: nn.Module, recipe: Fp8Recipe, matmul: str, enabled: bool | N
     return model
 
 
-def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
-                   inplace: bool = False, matmul: str = "auto",
-                   enabled: bool | None = True) -> tuple[nn.Module, Fp8Report]:
-    """Replace every FP8-able nn.Linear / Conv1D by an emulated Fp8Linear sharing its parameters.
+def _device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return torch.device("cpu") if p is None else p.device
 
-    `inplace=False` (default) converts a deep copy so the original stays the fp32 reference.
-    Layers an FP8 GEMM cannot take stay as they were, with one warning naming them; a model with
-    no FP8-able layer raises a ValueError and is left as it was. `enabled=None` makes the layers
-    run FP8 only inside `fp8_autocast()`, as Transformer Engine's do.
+
+def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
+                   backend: str = "auto", inplace: bool = False, matmul: str = "auto",
+                   enabled: bool | None = True, emulate: bool = False,
+                   compile: bool | None = None) -> tuple[nn.Module, Fp8Report]:
+    """Run the model's FP8-able nn.Linear / Conv1D layers in FP8; returns `(model, report)`.
+
+    `backend`: "te" (Transformer Engine's layers), "torchao" (its `convert_to_float8_training`),
+    both on a CUDA GPU of compute capability >= 8.9 where the package is installed; "ampnb"
+    (an emulated Fp8Linear sharing each layer's parameters, any device); "auto" takes the first
+    of te, torchao, ampnb that runs here, and the report's first line says which and why.
+    `recipe=None` is the backend's default (torchao: tensorwise; otherwise TE's DelayedScaling).
+    `emulate=True` runs torchao's own emulation (`Float8LinearConfig(emulate=True)`), on a CPU
+    too. `compile` wraps the result in `torch.compile`, as torchao's README does; None: on for
+    the real backends. `inplace=False` (default) converts a deep copy so the original stays
+    the fp32 reference. Layers an FP8 GEMM cannot take stay as they were, with one warning
+    naming them; a model with no FP8-able layer raises a ValueError and is left as it was.
+    `matmul` and `enabled` are the emulation's: `enabled=None` makes its layers run FP8 only
+    inside `fp8_autocast()`, as Transformer Engine's do.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"convert_to_fp8 needs an nn.Module, got {type(model).__name__}")
@@ -174,12 +208,35 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
         raise ValueError(f"matmul={matmul!r} is not allowed; allowed: {', '.join(MATMULS)}")
     if not (enabled is None or isinstance(enabled, bool)):
         raise ValueError(f"enabled={enabled!r} is not allowed; allowed: True, False or None")
-    r = from_recipe_name(recipe)  # a bad recipe name fails here, before the model is touched
-    target = _convert(model if inplace else copy.deepcopy(model), r, matmul, enabled)
-    report = fp8_report(target)
+    if compile is not None and not isinstance(compile, bool):
+        raise ValueError(f"compile={compile!r} is not allowed; allowed: None, True or False")
+    # A bad recipe name or backend fails here, before the model is touched.
+    given = None if recipe is None else from_recipe_name(recipe)
+    chosen = choose(backend, _device(model), given, emulate)
+    if chosen.name != "ampnb" and (matmul != "auto" or enabled is not True):
+        raise ValueError(f"matmul={matmul!r}, enabled={enabled!r} are not allowed with backend="
+                         f"{chosen.name!r}; allowed: the defaults (they are the emulation's options)")
+    r = given or RECIPES["tensorwise" if chosen.name == "torchao" else "delayed"]
+    target = model if inplace else copy.deepcopy(model)
+    if chosen.name == "torchao":
+        target = convert_torchao(target, r, chosen.emulate)
+    elif chosen.name == "te":
+        from ampnb.fp8.te import convert_to_te  # imports transformer_engine
+
+        target = convert_to_te(target)
+    else:
+        target = _convert(target, r, matmul, enabled)
+    report = dataclasses.replace(fp8_report(target), backend=chosen)
+    if chosen.name == "torchao":  # its own rule for which layers it takes
+        report = dataclasses.replace(report, layers=tuple(
+            c if c.fp8 or c.reason != "not converted" else
+            dataclasses.replace(c, reason=torchao_skip_reason(target.get_submodule(c.name)))
+            for c in report.layers))
     if report.skipped:
         warnings.warn(f"FP8: {len(report.skipped)} linear layer(s) stay in higher precision: "
                       f"{report.message()}.{report.advice}", stacklevel=2)
+    if chosen.real if compile is None else compile:
+        target = torch.compile(target)  # torchao's README: convert, then compile the model
     return target, report
 
 

@@ -16,12 +16,10 @@ import torch
 from torch import nn
 
 from ampnb.fp8.autocast import autocast_guard, default_dtype_guard
+from ampnb.fp8.backends import MIN_CAPABILITY, fp8_gpu_problem  # noqa: F401 - MIN_CAPABILITY: its old home
 from ampnb.fp8.convert import unsupported_reason
 from ampnb.fp8.layers import kind_of, swap_children
 from ampnb.fp8.recipe import Fp8Recipe, Scaling, from_recipe_name
-
-# FP8 tensor cores arrived with Ada (8.9) and Hopper (9.0).
-MIN_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -35,12 +33,8 @@ class TeStatus:
 def te_status(device: str | torch.device = "cuda") -> TeStatus:
     """Check the device and the package without importing Transformer Engine."""
     dev = torch.device(device)
-    if dev.type != "cuda" or not torch.cuda.is_available():
-        return TeStatus(False, "real FP8 needs a CUDA GPU with compute capability >= 8.9")
-    cap = torch.cuda.get_device_capability(dev)
-    if cap < MIN_CAPABILITY:
-        return TeStatus(False, f"this GPU has compute capability {cap[0]}.{cap[1]}; "
-                               "FP8 needs >= 8.9 (Ada, Hopper or newer)")
+    if why := fp8_gpu_problem(dev):
+        return TeStatus(False, f"real FP8 {why}")
     if importlib.util.find_spec("transformer_engine") is None:
         return TeStatus(False, "transformer_engine is not installed")
     return TeStatus(True, f"Transformer Engine on {torch.cuda.get_device_name(dev)}")

@@ -1,0 +1,154 @@
+"""Which FP8 implementation runs a model: Transformer Engine, torchao, or ampnb's emulation.
+
+As Lightning delegates FP8 to Transformer Engine: the real backends swap in their own layers
+and run FP8 GEMMs on tensor cores (CUDA compute capability >= 8.9); ampnb's emulation runs the
+same per-tensor recipe on any device. Neither real package is imported until it is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampnb.fp8.recipe import Fp8Format, Fp8Recipe, Scaling
+
+# "auto" tries these in order and takes the first that runs here.
+BACKENDS = ("te", "torchao", "ampnb")
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer
+TORCHAO_ALIGN = 16  # torchao's README filter: FP8 GEMMs want in/out features divisible by 16
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The backend chosen for a model and why (the report's first line)."""
+
+    name: str
+    reason: str
+    emulate: bool = False  # torchao's own emulation (Float8LinearConfig(emulate=True))
+
+    @property
+    def real(self) -> bool:
+        """Whether FP8 GEMMs run on FP8 tensor cores (what torch.compile is on by default for)."""
+        return self.name != "ampnb" and not self.emulate
+
+    def line(self) -> str:
+        """'FP8 backend: ampnb (emulated in torch): ...'."""
+        label = {"te": "Transformer Engine", "torchao": "torchao",
+                 "ampnb": "ampnb (emulated in torch)"}[self.name]
+        if self.emulate:
+            label += " emulated (Float8LinearConfig(emulate=True))"
+        return f"FP8 backend: {label}: {self.reason}"
+
+
+def fp8_gpu_problem(device: torch.device) -> str:
+    """Why this device has no FP8 tensor cores ('' when it has)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "needs a CUDA GPU with compute capability >= 8.9"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        return f"this GPU has compute capability {cap[0]}.{cap[1]}; FP8 needs >= 8.9"
+    return ""
+
+
+def torchao_recipe_problem(recipe: Fp8Recipe) -> str:
+    """Why torchao's float8 training cannot run this recipe ('' when it can)."""
+    if recipe.scaling is not Scaling.DYNAMIC:
+        return ("torchao scales dynamically (tensorwise) only, not delayed; allowed recipes: "
+                "'tensorwise', 'dynamic', 'e4m3-dynamic'")
+    if recipe.margin or not recipe.saturate:
+        return "torchao has no margin and always saturates; allowed: margin=0, saturate=True"
+    return ""
+
+
+def status(name: str, device: torch.device, recipe: Fp8Recipe | None,
+           emulate: bool = False) -> str:
+    """Why `name` cannot run here ('' when it can), without importing its package."""
+    if name == "ampnb":
+        return ""
+    if name == "te":
+        from ampnb.fp8.te import te_status
+
+        found = te_status(device)
+        return "" if found.ok else found.reason
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install 'ampnb[fp8]')"
+    if recipe is not None and (why := torchao_recipe_problem(recipe)):
+        return why
+    return "" if emulate else fp8_gpu_problem(device)
+
+
+def choose(backend: str, device: torch.device, recipe: Fp8Recipe | None,
+           emulate: bool = False) -> Backend:
+    """The backend to use: the one named, or for "auto" the first in BACKENDS that runs here."""
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"backend={backend!r} is not allowed; allowed: 'auto', "
+                         f"{', '.join(map(repr, BACKENDS))}")
+    if not isinstance(emulate, bool) or emulate and backend != "torchao":
+        raise ValueError(f"emulate={emulate!r} is not allowed with backend={backend!r}; allowed: "
+                         "emulate=True only with backend='torchao' (its CPU emulation, for tests)")
+    if backend != "auto":
+        why = status(backend, device, recipe, emulate)
+        if why:
+            raise ValueError(f"backend={backend!r} cannot run here: {why}; allowed here: 'ampnb' "
+                             "(the emulation) or 'auto'")
+        return Backend(backend, "asked for" + (" (emulated)" if emulate else ""), emulate)
+    why_not = []
+    for name in BACKENDS:
+        why = status(name, device, recipe)
+        if not why:
+            return Backend(name, "auto: " + ("; ".join(why_not) or f"runs here ({device.type})"))
+        why_not.append(f"{'Transformer Engine' if name == 'te' else name}: {why}")
+    raise AssertionError("the ampnb backend always runs")  # pragma: no cover
+
+
+def torchao_config(recipe: Fp8Recipe, emulate: bool) -> Any:
+    """torchao's Float8LinearConfig for a per-tensor dynamic recipe (its 'tensorwise')."""
+    from torchao.float8 import CastConfig, Float8LinearConfig
+
+    if why := torchao_recipe_problem(recipe):
+        raise ValueError(why)
+    grad = recipe.backward_format.torch_dtype
+    if recipe.fp8_format is Fp8Format.HYBRID:  # torchao's defaults: e4m3 forward, e5m2 gradients
+        return Float8LinearConfig(emulate=emulate)
+    cast = CastConfig(target_dtype=grad)
+    return Float8LinearConfig(cast_config_grad_output=cast, emulate=emulate)
+
+
+def torchao_filter(layer: nn.Module, fqn: str) -> bool:
+    """The layers torchao converts: plain nn.Linear (not Conv1D) with aligned shapes."""
+    from ampnb.fp8.layers import kind_of
+
+    kind = kind_of(layer)
+    return (kind is not None and kind.name == "Linear"
+            and layer.in_features % TORCHAO_ALIGN == 0 and layer.out_features % TORCHAO_ALIGN == 0)
+
+
+def torchao_skip_reason(layer: nn.Module) -> str:
+    """Why torchao leaves a Linear / Conv1D layer in higher precision."""
+    from ampnb.fp8.layers import kind_of
+
+    if kind_of(layer).name != "Linear":
+        return "torchao converts nn.Linear only"
+    return f"torchao wants in and out features divisible by {TORCHAO_ALIGN}"
+
+
+def convert_torchao(model: nn.Module, recipe: Fp8Recipe, emulate: bool) -> nn.Module:
+    """torchao's convert_to_float8_training on the model, in place (Float8Linear layers)."""
+    from torchao.float8 import convert_to_float8_training
+
+    return convert_to_float8_training(model, module_filter_fn=torchao_filter,
+                                      config=torchao_config(recipe, emulate))
+
+
+def is_real_fp8_layer(m: nn.Module) -> str:
+    """The backend of a torchao / Transformer Engine FP8 linear layer ('' for any other module)."""
+    module = type(m).__module__
+    if type(m).__name__ == "Float8Linear" and module.startswith("torchao."):
+        return "torchao"
+    if type(m).__name__ == "Linear" and module.startswith("transformer_engine."):
+        return "te"
+    return ""
