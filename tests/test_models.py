@@ -202,3 +202,28 @@ def test_gpt_generate_extends_the_prompt_reproducibly():
     assert _state.snapshot() == before
     assert a.shape == (1, prompt.shape[1] + 40) and torch.equal(a, b)
     assert text.decode(a[0]).startswith("The keeper")
+
+
+def test_demo_for_a_cpu_is_the_tutorials_demo():
+    from ampnb.models import demo_for
+
+    a, b = demo_for("cpu"), demo("gpt")
+    assert a.n_params == b.n_params and all(torch.equal(p, q) for p, q in
+                                            zip(a.model.parameters(), b.model.parameters()))
+    assert demo_for("cpu", "mlp", width=8).model.head.in_features == 8
+
+
+def test_demo_for_a_gpu_is_sized_for_its_tensor_cores(monkeypatch):
+    """Built on the meta device: the sizes a GPU gets, without a GPU; kw still overrides."""
+    from ampnb.models import SIZED_FOR, demos, demo_for
+
+    asked = []
+    monkeypatch.setattr(demos, "demo", lambda name, **kw: asked.append((name, kw)))
+    demo_for("cuda:0")
+    demo_for("cuda", "gpt", depth=2)
+    assert asked[0] == ("gpt", dict(seed=0, lr=None, device="cuda:0", **SIZED_FOR[("gpt", "cuda")]))
+    assert asked[1][1]["depth"] == 2 and asked[1][1]["width"] == 1024
+    with torch.device("meta"):  # >= 100M parameters: matmuls, not launches, set the step time
+        big = TinyGPT(corpus().vocab_size, **{k: v for k, v in SIZED_FOR[("gpt", "cuda")].items()
+                                              if k in ("width", "depth", "n_head", "seq_len")})
+    assert sum(p.numel() for p in big.parameters()) > 100e6 > 900 * demo("gpt").n_params
