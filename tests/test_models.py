@@ -215,7 +215,7 @@ def test_demo_for_a_cpu_is_the_tutorials_demo():
 
 def test_demo_for_a_gpu_is_sized_for_its_tensor_cores(monkeypatch):
     """Built on the meta device: the sizes a GPU gets, without a GPU; kw still overrides."""
-    from ampnb.models import SIZED_FOR, demos, demo_for
+    from ampnb.models import SIZED_FOR, demo_for, demos
 
     asked = []
     monkeypatch.setattr(demos, "demo", lambda name, **kw: asked.append((name, kw)))
