@@ -82,6 +82,12 @@ def test_micro_batches_of_accumulate_belong_to_the_step_they_feed():
     assert [r.micro_batches for r in w.records] == [2, 2, 2]
     expected = [(losses[2 * i] + losses[2 * i + 1]) / 2 for i in range(3)]
     assert [r.loss for r in w.records] == pytest.approx(expected, rel=1e-6)
+    # without log_loss: the sum of what accelerator.backward started from (each loss / 2)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    w, _, _ = _train(acc, _net(), _batches(2 * 3), watched=True)
+    assert [r.loss for r in w.records] == pytest.approx(expected, rel=1e-6)
 
 
 def test_accelerators_scaler_skip_is_recorded_as_accelerate_itself_reports_it():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from watch_models import Planted, batches, run
+from watch_models import Blowup, Planted, batches, run
 
 import ampnb
 from ampnb.watch.overflow import target
@@ -154,3 +154,30 @@ def test_the_report_is_the_doctor_on_the_kept_batch(tmp_path):
     report = r.report
     assert report is r.report  # computed once
     assert type(report).__name__ == "DoctorReport"
+
+
+class Wide(nn.Module):
+    """Planted with 1024 outputs: a mean loss sends small gradients into them, while a sum of
+    the outputs at the same loss scale would overflow fp16 in the last layer's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.blowup, self.fc2 = nn.Linear(8, 16), Blowup(), nn.Linear(16, 1024)
+
+    def forward(self, x: torch.Tensor, blow: bool = False) -> torch.Tensor:
+        return self.fc2(self.blowup(self.fc1(x), blow))
+
+
+def test_replay_runs_the_users_loss_on_the_micro_batch_that_overflowed(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    steps = [[(torch.randn(4, 8, generator=g), torch.randn(4, 1024, generator=g),
+               k == 1 and j == 2) for j in range(3)] for k in range(3)]
+    m = Wide()
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**15)
+    w = run(m, _opt(m), steps, scaler=sc, watch={"keep_overflow": tmp_path})
+    assert [r.skipped for r in w.records] == [False, True, False]
+    r = ampnb.doctor.replay(tmp_path, Wide())
+    assert r.micro_batch == 2  # the user's own loss: micro-batches 0 and 1 stay finite
+    assert (r.nonfinite.op, r.nonfinite.module, r.nonfinite.phase) == ("mul", "blowup",
+                                                                       "forward")

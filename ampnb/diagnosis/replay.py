@@ -1,12 +1,13 @@
 """`ampnb.doctor.replay(path)`: rerun the step a watch kept on its first overflow, with the hunter.
 
 What it redoes: the model as it was before that step (pickled, or its state loaded into the
-`model=` given), the RNG states at the step's first forward, each micro-batch's forward under
-the autocast that was on, and a backward of the loss times the scale the step ran at. The loss
-is the model's own (`ModelOutput.loss`, a scalar output), or `loss_fn(output)`, or else the
-sum of the floating outputs: the user's loss function and targets are not saved, so an
-overflow inside the user's loss, or one the backward of a different loss would not reach, is
-not reproduced; nor is anything the loop did between micro-batches.
+`model=` given), the RNG states at the step's first forward, and each micro-batch in order —
+its forward under the autocast that was on, then the user's own backward: the gradient their
+loss sent into the model's outputs, loss scale included, as the watch kept it — until the
+hunter finds the first non-finite op. The loss function itself is not saved: an overflow inside
+the user's loss shows as a non-finite output gradient, not as an op. A step kept by an older
+watch (no output gradients) or an output that got none falls back to the model's own loss,
+`loss_fn(output)`, or the sum of the floating outputs.
 """
 
 from __future__ import annotations
@@ -78,27 +79,42 @@ class Replay(TableView):
         self.scale: float | None = data["scale"]
         self.autocast = tuple((d, getattr(torch, dt)) for d, dt in data["autocast"])
         self.batches = tuple(Batch(tuple(a), dict(k)) for a, k in data["inputs"])
+        grads = data.get("out_grads") or []
+        self.out_grads = tuple(list(grads[k]) if k < len(grads) else []
+                               for k in range(len(self.batches)))
         # the module each forward entered: the model, or a child its loop called directly
         self.entries = tuple(model.get_submodule(e) for e in data["entries"])
         self.loss_fn = loss_fn
         self.micro_batch, self.nonfinite = self._hunt(data["rng"])
 
     def _forward(self, entry: nn.Module, batch: Batch) -> Any:
-        from ampnb.watch.rerun import autocast_as
+        from ampnb.watch.overflow import autocast_as
 
         with autocast_as(self.autocast):  # the autocast the step's forward ran under
-            return _loss(batch.call(entry), self.loss_fn)
+            return batch.call(entry)
 
-    def _step(self, entry: nn.Module, batch: Batch) -> torch.Tensor:
+    def _step(self, entry: nn.Module, batch: Batch, grads: list) -> None:
         from ampnb.modes import get_mode
+        from ampnb.watch.hooks import float_outputs
 
-        loss = self._forward(entry, batch)
+        out = self._forward(entry, batch)
+        outs = float_outputs(out)
+        if grads and any(g is not None for g in grads) and len(grads) == len(outs):
+            own = model_loss(out)  # the model's own loss: its gradient holds the rest
+            pairs = [(t, g) for t, g in zip(outs, grads, strict=True) if g is not None
+                     and t.requires_grad and (own is None or t is own)]
+            if pairs:  # the user's backward (scaled as it ran), outside autocast
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                return
+        from ampnb.watch.overflow import autocast_as
+
+        with autocast_as(self.autocast):
+            loss = _loss(out, self.loss_fn)
         # the step's backward (outside autocast): the mode's hook scales the loss, as the
         # kept step's GradScaler did, at the scale it ran at
         scaler = None if self.scale is None else torch.amp.GradScaler(
             loss.device.type, init_scale=self.scale)
         get_mode("32-true" if scaler is None else "16-mixed").backward(loss.float(), scaler)
-        return loss
 
     def _hunt(self, rng: dict[str, Any] | None) -> tuple[int | None, Any]:
         from ampnb.instruments.hunt import find_nonfinite
@@ -109,7 +125,7 @@ class Replay(TableView):
             if rng is not None:
                 set_rng_states(rng)
             for k, (entry, batch) in enumerate(zip(self.entries, self.batches)):
-                found = find_nonfinite(self._step, entry, batch)
+                found = find_nonfinite(self._step, entry, batch, self.out_grads[k])
                 if found or found.op:
                     self.model.zero_grad(set_to_none=True)
                     return k, found

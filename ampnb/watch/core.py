@@ -1,18 +1,21 @@
 """`ampnb.watch(model, optimizer, scaler)`: one StepRecord per optimizer step of the user's loop.
 
-Hooks only, the loop unchanged: a forward pre-hook on the model, forward hooks on every module
-on statistics steps (tensor hooks on their outputs; between them a non-finite forward is run
-again to name the module, see rerun.py), the optimizer's step pre/post hooks, `scale`/`update` wrapped on the scaler instance, and
-autograd's engine call (ampnb.step's) to see each backward's root, the loss. A step ends at
-`scaler.update()` when there is a scaler (a skipped step never calls optimizer.step), else at
-the optimizer's step post hook; every backward before it is one of its micro-batches.
+Hooks only, the loop unchanged and nothing of it run twice: a forward pre-hook on the model (and
+its children), forward hooks on every module on statistics steps (tensor hooks on their
+outputs), the optimizer's step pre/post hooks, the scaler read through `get_scale()` only, and
+each backward's roots (its losses) from the one engine-call hook every watch shares
+(backward.py says why that one is not public). A step ends at the optimizer's step post hook; a
+step the GradScaler skipped (it never calls optimizer.step) ends when its gradients are reset or
+unscaled (zero_grad, scaler.step) and the next forward starts, or at `close()`/`records`. Between
+statistics steps nothing is read back from the device: the records of those steps are made at
+the next statistics step, `close()` or `records` (callbacks get them then).
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +26,9 @@ from ampnb import _interrupt
 from ampnb._interrupt import Guard, critical
 from ampnb._tree import map_tensors
 from ampnb.start import param_dtype
-from ampnb.step import _AUTOCAST_DEVICES, _engine_in, _engine_out
-from ampnb.watch import inputs, overflow, rerun, summary
-from ampnb.watch.hooks import Hook, StepState, module_names
+from ampnb.step import _AUTOCAST_DEVICES
+from ampnb.watch import backward, inputs, overflow, summary
+from ampnb.watch.hooks import Hook, StepState, fast_probe, float_outputs, module_names
 from ampnb.watch.records import StepRecord, log_path, write
 
 _NARROW = (torch.float16, torch.bfloat16)
@@ -55,25 +58,26 @@ class Watch:
         self._optimizer = inputs.unwrap_optimizer(model, optimizer)
         self._scaler = inputs.check_scaler(scaler)
         self.every = inputs.check_every(every)
-        self.log_dir = inputs.check_path("log_dir", log_dir)
-        self.keep_overflow = inputs.check_path("keep_overflow", keep_overflow)
+        self.rank = _rank()
+        self.log_dir = inputs.check_log_dir(log_dir, self.rank)
+        self.keep_overflow = inputs.check_keep_overflow(keep_overflow)
         self._model = model
         self._modules, self.names, self._stats = module_names(model)
         self._stat_set = frozenset(self._stats)
         self._true_mode = param_dtype(model, mostly=True) in _NARROW
         self._records: list[StepRecord] = []
+        self._ended: list[StepState] = []  # ended steps whose record is not made yet
         self._callbacks: list[Callable[[StepRecord], Any]] = []
         self._state: StepState | None = None
-        self._scaled: set[int] = set()  # ids of what scaler.scale returned this step
+        self._token: tuple | None = None  # the gradients as the last backward left them
         self._fresh = False  # the model ran a forward since the last backward counted
         self._armed: list[Any] = []  # the modules' forward hooks, there on statistics steps
-        self._rerunning = False  # a non-finite forward runs again: not a step's forward
         self._entered: nn.Module | None = None  # the entry module whose forward runs now
+        self._keeping = self.keep_overflow is not None  # until kept (or a save failed)
         # where a step's forward may enter: the model, or one of its children called directly
         # (a LightningModule's training_step calling self.model(x))
         self._entries = {id(m): name for name, m in
                          [("", model), *model.named_children()]}
-        self.rank = _rank()
         self.overflow_file: Any = None  # the file keep_overflow wrote, once it has
         self._log = log_path(log_dir, self.rank) if log_dir is not None else None
         self._tb: Any = None
@@ -86,7 +90,10 @@ class Watch:
 
     @property
     def records(self) -> tuple[StepRecord, ...]:
-        """One record per optimizer step seen so far."""
+        """One record per optimizer step seen so far (reading them reads the device)."""
+        if self._model is not None:
+            self._settle()
+            self._make_records()
         return tuple(self._records)
 
     def on_record(self, callback: Callable[[StepRecord], Any]) -> None:
@@ -94,9 +101,10 @@ class Watch:
         self._callbacks.append(callback)
 
     def log_loss(self, loss: float | torch.Tensor) -> None:
-        """Report the step's (unscaled) loss; it replaces the backward roots the watch saw."""
-        value = loss.detach() if isinstance(loss, torch.Tensor) else loss
-        self._current().explicit.append(float(value))
+        """Report a micro-batch's loss, undivided and unscaled (the step's loss is their mean);
+        given, these replace the backward roots the watch saw. Not read until recorded."""
+        value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        self._current().explicit.append(value)
 
     def table(self) -> Any:
         """The records as a table."""
@@ -118,7 +126,10 @@ class Watch:
 
     @critical
     def close(self) -> None:
-        """Remove every hook, put back what was wrapped; the model is no longer referenced."""
+        """Record what is pending, remove every hook; the model is no longer referenced."""
+        if self._model is not None:
+            self._settle()
+            self._make_records()
         self._guard.__exit__(None, None, None)
 
     @critical
@@ -150,11 +161,7 @@ class Watch:
             opt = self._optimizer
             undo.append(opt.register_step_pre_hook(Hook(self._pre_step)).remove)
             undo.append(opt.register_step_post_hook(Hook(self._post_step)).remove)
-            if self._scaler is not None:
-                undo.append(self._wrap(self._scaler, "scale", self._scale))
-                undo.append(self._wrap(self._scaler, "update", self._update))
-            previous = _engine_in(self._engine)
-            undo.append(lambda: _engine_out(previous))
+            undo.append(backward.listen(self._on_backward))
             if self.log_dir is not None:
                 self._tb = _tensorboard(self.log_dir, self.rank)
         except BaseException:
@@ -169,20 +176,7 @@ class Watch:
             self._tb.close()
         # no reference to the user's objects outlives close()
         self._model = self._optimizer = self._scaler = self._state = self._tb = None
-        self._modules = []
-
-    @staticmethod
-    def _wrap(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
-              ) -> Callable[[], None]:
-        own = obj.__dict__.get(name, None)
-        setattr(obj, name, make(getattr(obj, name)))
-
-        def undo() -> None:
-            if own is None:
-                obj.__dict__.pop(name, None)
-            else:
-                setattr(obj, name, own)
-        return undo
+        self._modules, self._ended = [], []
 
     @critical
     def _arm(self, on: bool) -> None:
@@ -197,38 +191,69 @@ class Watch:
 
     def _current(self) -> StepState:
         if self._state is None:
-            self._state = StepState(len(self._records) % self.every == 0)
+            # the scale is read once a step, at its start (a GradScaler's own step() reads
+            # found_inf back from the device on every step anyway)
+            scale = float(self._scaler.get_scale()) if self._scaler is not None else None
+            self._state = StepState(self._next_is_stats(), scale)
+            if self._keeping and self._scaler is not None:  # as it was before the step
+                self._state.scaler_state = self._scaler.state_dict()
             self._arm(self._state.stats)
         return self._state
 
+    def _next_is_stats(self) -> bool:
+        return (len(self._records) + len(self._ended)) % self.every == 0
+
+    def _grads(self) -> tuple:
+        """Which gradients the optimizer holds, as a token: any in-place change (zero_grad,
+        unscale_, clip) or reset (set_to_none) between a backward and the next makes it differ."""
+        for g in self._optimizer.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:  # a Tensor's version counts its in-place writes
+                    return id(p), id(p.grad), p.grad._version
+        return ()
+
+    def _settle(self) -> None:
+        """A step whose gradients were reset or unscaled since its last backward, with no
+        optimizer.step since, has ended: skipped by the GradScaler (or by the loop itself)."""
+        s = self._state
+        if s is not None and s.micro_batches and self._token is not None \
+                and self._grads() != self._token:
+            self._finish(skipped=self._scaler is not None)
+
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         # inside another entry's forward (the model's, calling its children); validation,
-        # inference; a rerun. The same entry again is a new call: its end hook, which torch runs
-        # on exceptions but not on a KeyboardInterrupt, may not have run
+        # inference. The same entry again is a new call: its end hook, which torch runs on
+        # exceptions but not on a KeyboardInterrupt, may not have run
         if (self._entered is not None and self._entered is not module
-                or not torch.is_grad_enabled() or self._rerunning):
+                or not torch.is_grad_enabled()):
             return
+        self._settle()
         self._entered = module
         s = self._current()
         self._fresh = True
-        autocast = [(d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
-                    if torch.is_autocast_enabled(d)]
         if math.isnan(s.t0):
             s.t0 = time.perf_counter()
-            s.autocast = autocast
-        if not s.stats:  # no module hooked: what a rerun of this forward needs (references)
-            if not s.calls:
-                s.call_rng = overflow.rng_states()
-            s.calls.append((module, args, dict(kwargs), autocast))
-        if self.keep_overflow is not None and self.overflow_file is None:
+            s.autocast = [(d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+                          if torch.is_autocast_enabled(d)]
+        if self._keeping:
             if s.rng is None:
                 s.rng = overflow.rng_states()
             s.inputs.append(map_tensors(lambda t: t.detach(), (args, dict(kwargs))))
             s.entries.append(self._entries[id(module)])
 
     def _on_forward_end(self, module: nn.Module, args: Any, out: Any) -> None:
-        if self._entered is module:
-            self._entered = None
+        if self._entered is not module:
+            return
+        self._entered = None
+        s = self._state
+        if self._keeping and s is not None and len(s.out_grads) < len(s.inputs):
+            # the gradient the user's loss sent into each output: replay's backward is theirs
+            grads: list[torch.Tensor | None] = []
+            for k, t in enumerate(float_outputs(out)):
+                grads.append(None)
+                if t.requires_grad:
+                    t.register_hook(Hook(_keep_grad, grads, k))
+            s.out_grads.append(grads)
 
     def _on_output(self, i: int, module: nn.Module, args: Any, out: Any) -> None:
         if not torch.is_grad_enabled():
@@ -236,134 +261,134 @@ class Watch:
         s = self._state or self._current()
         s.on_output(i, s.stats and i in self._stat_set, args, out)
 
-    def _engine(self, run: Callable[..., Any], thread: int) -> Callable[..., Any]:
-        def backward(roots: Any, *args: Any, **kwargs: Any) -> Any:
-            __tracebackhide__ = True  # noqa: F841 - the user's frames are what matter
-            if threading.get_ident() != thread or not kwargs.get("accumulate_grad", True):
-                return run(roots, *args, **kwargs)
-            s = self._on_backward()
-            out = run(roots, *args, **kwargs)
-            if s is not None:
-                floats = [r for r in roots
-                          if isinstance(r, torch.Tensor) and r.is_floating_point()]
-                if s.after_backward([r.detach() for r in floats],
-                                    [id(r) in self._scaled for r in floats]):
-                    s.first = (self._rerun(s), "forward")
-                s.calls, s.call_rng = [], None
-            return out
-        return backward
-
-    @critical
-    def _rerun(self, s: StepState) -> int | None:
-        """The micro-batch's forward again, with every module hooked: the first non-finite."""
-        self._rerunning = True
-        try:
-            return rerun.first_nonfinite_module(self._model, self._modules, s.calls, s.call_rng)
-        finally:
-            self._rerunning = False
-
-    def _on_backward(self) -> StepState | None:
-        if not self._fresh:  # another model's backward (a copy, a GAN's other half)
+    def _on_backward(self, roots: list[torch.Tensor]) -> Callable[[], None] | None:
+        """A backward starts from `roots`: one of this step's micro-batches, if this watch's
+        model ran a forward since the last one counted (else another model's)."""
+        if not self._fresh:
             return None
         self._fresh = False
         s = self._current()
         s.micro_batches += 1
         if math.isnan(s.t0):
             s.t0 = time.perf_counter()
-        return s
 
-    def _scale(self, scale: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(outputs: Any) -> Any:
-            out = scale(outputs)
-            if isinstance(out, torch.Tensor):
-                self._scaled.add(id(out))
-            return out
-        return wrapped
+        def after() -> None:
+            s.after_backward(roots)
+            self._token = self._grads()
+            if s.stats and self._scaler is not None:
+                s.grad_sum = self._first_grad_sum()
+        return after
 
-    def _update(self, update: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            ending = self._before_update()
-            out = update(*args, **kwargs)
-            self._finish(*ending)
-            return out
-        return wrapped
-
-    def _before_update(self) -> tuple[float, bool]:
-        """The scale the step ran at and whether the scaler skipped it; grads read if not yet."""
-        scaler, s = self._scaler, self._current()
-        scale = float(scaler.get_scale())
-        states = scaler._per_optimizer_states
-        mine = states[id(self._optimizer)] if id(self._optimizer) in states else None
-        found = [v for st in ([mine] if mine else states.values())
-                 for v in st["found_inf_per_device"].values()]
-        skipped = bool(sum(float(v) for v in found)) if found else False
-        if not s.grads_read:  # skipped: optimizer.step never ran; unscale_ did (grads unscaled)
-            ready = mine is None or mine["stage"].name == "READY"
-            s.read_grads(self._modules, self._stats, scale if ready else 1.0)
-        if skipped and self.keep_overflow is not None and self.overflow_file is None:
-            self._keep(s, scale)  # a skipped step left model and optimizer as they were
-        return scale, skipped
+    def _first_grad_sum(self) -> torch.Tensor | None:
+        """|first gradient| summed (no read): changed by unscale_, which bumps no version."""
+        g = next((p.grad for g in self._optimizer.param_groups for p in g["params"]
+                  if p.grad is not None), None)
+        return None if g is None else g.detach().abs().sum(dtype=torch.float64)
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         s = self._current()
-        divisor = 1.0
-        if self._scaler is not None:
-            st = self._scaler._per_optimizer_states.get(id(optimizer))
-            if st is None or st["stage"].name == "READY":  # fused: Lightning skips unscale_
-                divisor = float(self._scaler.get_scale())
-        s.read_grads(self._modules, self._stats, divisor)
+        if s.stats:
+            divisor = 1.0
+            if self._scaler is not None and s.scale and s.grad_sum is not None and torch.equal(
+                    s.grad_sum, self._first_grad_sum()):  # fused: Lightning skips unscale_
+                divisor = s.scale  # the gradients are as backward left them: scaled
+            s.read_grads(self._modules, self._stats, divisor)
         if self._scaler is None:
-            s.grads_finite = summary.grads_finite(optimizer)
-            if self.keep_overflow is not None and self.overflow_file is None and not (
-                    s.grads_finite and s.first is None and math.isfinite(s.loss(None))):
-                self._keep(s, None)  # before the update changes the weights
+            gs = [p.grad for g in optimizer.param_groups for p in g["params"]
+                  if p.grad is not None]
+            s.grads_probe = torch.stack([fast_probe(g) for g in gs]).sum() if gs else None
+            if self._keeping and not math.isfinite(self._probe(s)):
+                self._keep(s)  # before the update changes the weights (a read: keep_overflow)
         if self._true_mode and s.stats:
             s.before = [(p, p.detach().clone(), (p.grad != 0) & torch.isfinite(p.grad))
                         for g in optimizer.param_groups for p in g["params"]
                         if p.grad is not None and p.dtype in _NARROW]
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._scaler is None:
-            self._finish(None, False)
+        self._finish(skipped=False)
+
+    @staticmethod
+    def _probe(s: StepState) -> float:
+        """The step's loss plus its gradient probe: finite when both are (a read)."""
+        probe = float(s.grads_probe) if s.grads_probe is not None else 0.0
+        return s.loss() + probe
 
     # ----- the step's end --------------------------------------------------------------------
 
-    def _keep(self, s: StepState, scale: float | None) -> None:
-        scaler = self._scaler.state_dict() if self._scaler is not None else None
-        self.overflow_file = overflow.save(
-            self.keep_overflow, step=len(self._records), inputs=s.inputs, rng=s.rng,
-            entries=s.entries, autocast=s.autocast, model=self._model, optimizer=self._optimizer, scaler=scaler,
-            scale=scale, loss=s.loss(scale))
+    def _keep(self, s: StepState) -> None:
+        """Save the step (keep_overflow); a failure is a warning, never an error in the loop."""
+        self._keeping = False  # once: kept, or failed
+        scaler = s.scaler_state
+        try:
+            self.overflow_file = overflow.save(
+                self.keep_overflow, step=len(self._records) + len(self._ended),
+                inputs=s.inputs, rng=s.rng, entries=s.entries, out_grads=s.out_grads,
+                autocast=s.autocast, model=self._model, optimizer=self._optimizer,
+                scaler=scaler, scale=s.scale, loss=s.loss())
+        except Exception as e:  # noqa: BLE001 - the user's training must go on
+            warnings.warn(f"ampnb.watch could not save the overflowing step to "
+                          f"{overflow.target(self.keep_overflow)}: {e}", stacklevel=3)
 
-    def _finish(self, scale: float | None, skipped: bool) -> None:
-        s, self._state = self._current(), None
-        self._scaled.clear()
-        loss = s.loss(scale)
-        grads_ok = s.grads_finite if s.grads_finite is not None else True
-        nonfinite = skipped or not grads_ok or not math.isfinite(loss) or s.first is not None
-        first, phase = s.first if s.first is not None else (None, "")
-        if nonfinite and s.first is None:  # finite forward: it went non-finite in backward
-            first = s.first_backward()
-            if first is None:
-                first = summary.nonfinite_grads(self._modules, self._stats)
-            phase = "backward"
-        lost = summary.lost_updates(s.before) if s.before is not None else None
-        now = time.perf_counter()
-        record = StepRecord(
-            step=len(self._records), rank=self.rank or 0, micro_batches=s.micro_batches,
-            loss=loss, scale=scale, skipped=skipped, nonfinite=nonfinite,
-            first_module=self.names[first] if first is not None else "",
-            first_phase=phase if nonfinite else "", lost_updates=lost,
-            seconds=now - s.t0, time=time.time(),
-            layers=summary.layers(s, self.names, self._stats, scale) if s.stats else ())
-        self._records.append(record)
-        self._arm(len(self._records) % self.every == 0)  # ready for the next step's forward
-        if self._log is not None:
+    def _finish(self, skipped: bool) -> None:
+        s, self._state, self._token = self._current(), None, None
+        s.skipped = skipped
+        s.seconds, s.time = time.perf_counter() - s.t0, time.time()
+        if skipped and self._keeping:  # a skipped step left model and optimizer as they were
+            self._keep(s)
+        if s.stats:
+            if not s.grads_read:  # skipped: optimizer.step never ran; unscale_ did
+                s.read_grads(self._modules, self._stats, 1.0)
+            if s.before is not None:
+                s.lost = summary.lost_updates(s.before)
+            s.before = None
+            s.layers = summary.layers(s, self.names, self._stats, s.scale)
+        s.inputs, s.out_grads, s.rng = [], [], None
+        self._ended.append(s)
+        if s.stats:
+            self._make_records()
+        self._arm(self._next_is_stats())  # ready for the next step's forward
+
+    def _backward_first(self, s: StepState) -> tuple[int | None, str] | None:
+        """Statistics steps: where a step whose forward was finite went non-finite in backward."""
+        first = s.first_backward()
+        if first is None:
+            first = summary.nonfinite_grads(self._modules, self._stats)
+        return (first, "backward") if first is not None else None
+
+    def _make_records(self) -> None:
+        """The ended steps' records (their reads happen here), logged and given to callbacks."""
+        ended, self._ended = self._ended, []
+        for s in ended:
+            loss = s.loss()
+            finite = math.isfinite(loss) and (s.grads_probe is None
+                                              or math.isfinite(float(s.grads_probe)))
+            nonfinite = s.skipped or not finite or s.first is not None
+            if nonfinite and s.stats and s.first is None:
+                s.first = self._backward_first(s)
+            first, phase = s.first if s.first is not None else (None, "")
+            record = StepRecord(
+                step=len(self._records), rank=self.rank or 0, micro_batches=s.micro_batches,
+                loss=loss, scale=s.scale, skipped=s.skipped, nonfinite=nonfinite,
+                first_module=self.names[first] if first is not None else "",
+                first_phase=(phase or "backward") if nonfinite and s.stats else "",
+                lost_updates=s.lost, seconds=s.seconds, time=s.time, layers=s.layers)
+            self._records.append(record)
+            if self._log is not None:
+                self._write(record)
+            for callback in self._callbacks:
+                callback(record)
+
+    def _write(self, record: StepRecord) -> None:
+        try:
             write(self._log, [record])
-        if self._tb is not None:
-            self._tb.write(record)
-        for callback in self._callbacks:
-            callback(record)
+            if self._tb is not None:
+                self._tb.write(record)
+        except OSError as e:  # a full disk must not end the training
+            warnings.warn(f"ampnb.watch could not write to {self.log_dir}: {e}", stacklevel=3)
+
+
+def _keep_grad(grads: list, k: int, g: torch.Tensor) -> None:
+    grads[k] = g.detach()
 
 
 @critical

@@ -1,17 +1,17 @@
 """The watch's module and tensor hooks, and what one optimizer step collects through them.
 
-Modules are hooked on statistics steps only (one in `every`); between them a forward hook on
-every module would cost a few percent of a small model's step, so the watch keeps references
-to each micro-batch's forward calls instead, and when its loss comes out non-finite runs that
-forward again with hooks (`rerun.py`) to name the module. On statistics steps a module's forward
-hook keeps a detached reference to its output, for the current micro-batch; when that
-micro-batch's backward ends, one probe of its loss (a sync) says whether anything is to be looked
-for, and only then are the kept outputs probed, in the order the modules finished, to name the
-first non-finite one. The references are dropped at every backward's end. In backward, the
-module named is the one whose backward first made a non-finite gradient of its input (stats
-steps); on other steps, the last module in forward order whose own parameter gradients hold
-inf/NaN (an estimate: the replay names the op). Ranges (amax) are taken on stats steps only, as
-0-dim tensors turned into floats once at the step's end.
+Modules are hooked on statistics steps only (one in `every`): a forward hook on every module
+would cost a few percent of a small model's step. Between them a step keeps only references to
+its backward roots (its losses), on their device: nothing is read back to the host until the
+next statistics step, `close()` or `records` (a read would make a GPU wait), and a non-finite
+step there is recorded without naming its module (nothing the user computes is run again to find
+it: `keep_overflow` and `ampnb.doctor.replay` name the op). On statistics steps a module's
+forward hook keeps a detached reference to its output, for the current micro-batch; when that
+micro-batch's backward ends, one probe of its loss says whether anything is to be looked for,
+and only then are the kept outputs probed, in the order the modules finished, to name the first
+non-finite one. In backward, the module named is the one whose backward first made a non-finite
+gradient of its input; else the last module in forward order whose own parameter gradients hold
+inf/NaN. Ranges (amax) are taken as 0-dim tensors turned into floats once at the step's end.
 """
 
 from __future__ import annotations
@@ -129,16 +129,16 @@ def _maxed(d: dict[int, torch.Tensor], i: int, v: torch.Tensor) -> None:
 class StepState:
     """What one optimizer step collected: tensors until its end, then floats."""
 
-    def __init__(self, stats: bool) -> None:
+    def __init__(self, stats: bool, scale: float | None = None) -> None:
         self.stats = stats
+        self.scale = scale             # the GradScaler's scale this step runs at (None: none)
         self.t0 = math.nan
+        self.seconds = math.nan
+        self.time = math.nan
         self.micro_batches = 0
-        self.losses: list[tuple[float, bool]] = []  # (scalar root, scaled by the loss scale)
-        self.explicit: list[float] = []                    # losses given to log_loss()
+        self.roots: list[torch.Tensor] = []                # scalar backward roots (losses), as run
+        self.explicit: list[float | torch.Tensor] = []     # losses given to log_loss()
         self.outputs: list[tuple[int, torch.Tensor]] = []  # this micro-batch's, finish order
-        self.calls: list[tuple[nn.Module, tuple, dict, list]] = []  # other steps: this
-        # micro-batch's forwards, each (the module entered, its args, its kwargs, its autocast)
-        self.call_rng: dict[str, Any] | None = None        # the RNG states before them
         self.first: tuple[int | None, str] | None = None   # first non-finite (module, phase)
         self.backward: list[tuple[int, torch.Tensor]] = []  # stats steps: input grad probes
         self.act: dict[int, torch.Tensor] = {}
@@ -147,12 +147,18 @@ class StepState:
         self.flush: dict[int, torch.Tensor] = {}  # [flushed, nonzero]
         self.divisor = 1.0
         self.grads_read = False
-        self.grads_finite: bool | None = None
+        self.grad_sum: torch.Tensor | None = None     # stats steps: how backward left a grad
+        self.grads_probe: torch.Tensor | None = None  # no scaler: finite iff every grad was
+        self.skipped = False
         self.inputs: list[tuple[tuple, dict]] = []        # keep_overflow: this step's batches
         self.entries: list[str] = []                       # ... and the module each entered
+        self.out_grads: list[list[torch.Tensor | None]] = []  # ... and its outputs' gradients
         self.rng: dict[str, Any] | None = None
+        self.scaler_state: dict[str, Any] | None = None  # ... and the scaler's, at its start
         self.autocast: list[tuple[str, torch.dtype]] = []
         self.before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self.lost: float | None = None
+        self.layers: tuple = ()
 
     # ----- hooks ---------------------------------------------------------------------------
 
@@ -179,22 +185,18 @@ class StepState:
         """The gradient of a module's input, which its backward made (stats steps): a probe."""
         self.backward.append((i, exact_probe(g)))
 
-    def after_backward(self, roots: list[torch.Tensor], scaled: list[bool]) -> bool:
-        """A micro-batch's backward ended: a scalar root is its loss (one sync); if a root is
-        non-finite, the first non-finite module output names where (none: the loss itself).
-        The outputs are dropped. True when no outputs were kept (not a stats step): the forward
-        `calls` must run again to name the module."""
+    def after_backward(self, roots: list[torch.Tensor]) -> None:
+        """A micro-batch's backward ended: its scalar roots are its losses, kept where they are.
+        On statistics steps one probe (a read) says whether a root is non-finite; if so, the
+        first non-finite module output names where (none: the loss itself). Outputs dropped."""
         outputs, self.outputs = self.outputs, []
-        losses = [(float(r), sc) for r, sc in zip(roots, scaled) if r.numel() == 1]
-        self.losses.extend(losses)
-        if self.first is not None or (all(math.isfinite(v) for v, _ in losses) and first_nonfinite(
-                [r for r in roots if r.numel() != 1]) is None):
-            return False
-        if not self.stats and self.calls:
-            return True
+        self.roots.extend(r for r in roots if r.numel() == 1)
+        if not self.stats or self.first is not None or not roots:
+            return
+        if first_nonfinite(roots) is None:
+            return
         bad = first_nonfinite([t for _, t in outputs])
         self.first = (outputs[bad][0] if bad is not None else None, "forward")
-        return False
 
     def read_grads(self, modules: list[nn.Module], stats: list[int], divisor: float) -> None:
         """Parameter-gradient amax and fp16 flush counts per stats module (grads / divisor)."""
@@ -209,14 +211,18 @@ class StepState:
                 self.grad[i] = torch.stack([finite_amax(g) for g in gs]).amax()
                 self.flush[i] = torch.stack([flush_counts(g, divisor) for g in gs]).sum(0)
 
-    def loss(self, scale: float | None) -> float:
-        """Mean unscaled loss of the micro-batches (nan when none was seen)."""
+    def loss(self) -> float:
+        """The step's loss: the sum of its micro-batches' unscaled losses as the loop's backward
+        started from them (a loop dividing by their number: their undivided mean), or the mean
+        of the undivided losses given to log_loss; nan when none was seen. A read: called when
+        the record is made, not between statistics steps."""
         if self.explicit:
-            return sum(self.explicit) / len(self.explicit)
-        if not self.losses:
+            return float(sum(torch.as_tensor(v, dtype=torch.float64).cpu()
+                             for v in self.explicit)) / len(self.explicit)
+        if not self.roots:
             return math.nan
-        return sum(v / scale if scaled and scale else v
-                   for v, scaled in self.losses) / len(self.losses)
+        total = torch.stack([r.double() for r in self.roots]).sum().item()
+        return total / self.scale if self.scale else total
 
     def first_backward(self) -> int | None:
         """Stats steps: the module whose backward first made a non-finite input gradient."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,3 +78,58 @@ def check_path(name: str, path: Any) -> str | os.PathLike | None:
         raise ValueError(f"{name}={_shown(path)} is not allowed; allowed: None, a str or a "
                          "path")
     return path
+
+
+def _creatable(folder: Path) -> str | None:
+    """Why files cannot be written in `folder` (None: they can); what it makes it takes away."""
+    made, p = [], folder
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    try:
+        for d in reversed(made):
+            d.mkdir()
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    finally:
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return None
+
+
+def check_keep_overflow(path: Any) -> str | os.PathLike | None:
+    """None, or a path where the overflowing step's file can be written (tried now)."""
+    from ampnb.watch.overflow import target
+
+    path = check_path("keep_overflow", path)
+    if path is None:
+        return None
+    file = target(path)
+    why = "it is a folder" if file.is_dir() else _creatable(file.parent)
+    if why is not None:
+        raise ValueError(f"keep_overflow={os.fspath(path)!r} cannot be written ({file}: {why}); "
+                         "allowed: a path in a writable folder")
+    return path
+
+
+def check_log_dir(log_dir: Any, rank: int | None) -> str | os.PathLike | None:
+    """None, or a folder to write in that holds no other run's records (runs never merge)."""
+    from ampnb.watch.records import log_path
+
+    log_dir = check_path("log_dir", log_dir)
+    if log_dir is None:
+        return None
+    shown, file = repr(os.fspath(log_dir)), log_path(log_dir, rank)
+    if Path(log_dir).exists() and not Path(log_dir).is_dir():
+        raise ValueError(f"log_dir={shown} is a file; allowed: a folder (new or empty)")
+    if file.exists():
+        raise ValueError(f"log_dir={shown} already holds a run ({file}); allowed: a new or "
+                         "empty folder, one run per log_dir, so that runs are never merged")
+    why = _creatable(file.parent)
+    if why is not None:
+        raise ValueError(f"log_dir={shown} cannot be written ({why}); allowed: a folder in a "
+                         "writable place")
+    return log_dir

@@ -1,13 +1,16 @@
 """keep_overflow: what the watch saves of the first overflowing step, so replay can rerun it.
 
 One file written with torch.save: the step's micro-batches (the forward inputs of the model, or
-of the child of it that the loop called, named in "entries"), the RNG states at its first
-forward, the autocast that was on, the model (pickled when it can be) and its state_dict, the
-optimizer's state_dict and the scaler's state, all as they were before the step's update.
+of the child of it that the loop called, named in "entries"), the gradient the user's own loss
+sent into each micro-batch's outputs (so the replay's backward is the user's, loss scale
+included), the RNG states at its first forward, the autocast that was on, the model (pickled
+when it can be) and its state_dict, the optimizer's state_dict and the scaler's state, all as
+they were before the step's update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -18,7 +21,7 @@ import torch
 from torch import nn
 
 FILE_NAME = "overflow.pt"
-FORMAT = 2
+FORMAT = 3
 
 
 def target(path: str | os.PathLike) -> Path:
@@ -53,6 +56,20 @@ def set_rng_states(states: dict[str, Any]) -> None:
         np.random.set_state(states["numpy"])
 
 
+def autocast_as(autocast: list[tuple[str, torch.dtype]] | tuple) -> contextlib.ExitStack:
+    """Autocast on each device as a step's forward had it (off where it was off)."""
+    from ampnb.step import _AUTOCAST_DEVICES
+
+    wanted, stack = dict(autocast), contextlib.ExitStack()
+    with stack:
+        for device in _AUTOCAST_DEVICES:
+            if device in wanted:
+                stack.enter_context(torch.autocast(device, dtype=wanted[device]))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        return stack.pop_all()
+
+
 def _pickled(model: nn.Module) -> bytes | None:
     """The module as torch.save writes it, or None when it cannot be pickled (a local class)."""
     buf = io.BytesIO()
@@ -64,18 +81,19 @@ def _pickled(model: nn.Module) -> bytes | None:
 
 
 def save(path: str | os.PathLike, *, step: int, inputs: list, entries: list[str],
-         rng: dict[str, Any] | None,
+         out_grads: list, rng: dict[str, Any] | None,
          autocast: list[tuple[str, torch.dtype]], model: nn.Module,
          optimizer: torch.optim.Optimizer, scaler: dict[str, Any] | None,
          scale: float | None, loss: float) -> Path:
     """Write the step to `path` (see the module docstring); returns the file written."""
     file = target(path)
-    file.parent.mkdir(parents=True, exist_ok=True)
+    file.parent.mkdir(parents=True, exist_ok=True)  # checked writable when the watch started
     torch.save({
         "format": FORMAT,
         "step": step,
         "inputs": inputs,
         "entries": entries,  # the module each forward entered ("": the model itself)
+        "out_grads": out_grads,  # per micro-batch, per floating output: its gradient (or None)
         "rng": rng,
         "autocast": [(d, str(dt).removeprefix("torch.")) for d, dt in autocast],
         "model": _pickled(model),

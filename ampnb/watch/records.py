@@ -98,11 +98,19 @@ def write(path: Path, records: Iterable[StepRecord]) -> None:
         f.flush()
 
 
-def _lines(path: Path) -> Iterator[str]:
+def _records(path: Path) -> Iterator[StepRecord]:
+    """The records of one log file; a complete line that is not a record is an error naming
+    the file and line (a log is written only by the watch: a bad line means damage)."""
     with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.endswith("\n"):  # a line still being written is read next time
-                yield line
+        for n, line in enumerate(f, 1):
+            if not line.endswith("\n"):  # a line still being written is read next time
+                continue
+            try:
+                yield StepRecord.from_json(line)
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}, line {n} is not a record ampnb.watch wrote "
+                                 f"({type(e).__name__}); allowed: the lines the watch writes"
+                                 ) from None
 
 
 def read_log(log_dir: str | Path) -> list[StepRecord]:
@@ -112,7 +120,7 @@ def read_log(log_dir: str | Path) -> list[StepRecord]:
         raise ValueError(f"log_dir={str(log_dir)!r} is not a directory; allowed: a log_dir "
                          "that ampnb.watch(..., log_dir=...) wrote")
     paths = [root / LOG_NAME, *sorted(root.glob(f"rank*/{LOG_NAME}"))]
-    found = [StepRecord.from_json(line) for p in paths if p.is_file() for line in _lines(p)]
+    found = [r for p in paths if p.is_file() for r in _records(p)]
     return sorted(found, key=lambda r: (r.step, r.rank))
 
 
