@@ -25,6 +25,23 @@ myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 suppress_warnings = ["myst.header"]  # the notebooks start at a level-1 title, then level 3
 
-html_theme = "alabaster"
+# The widget manager that draws the panels' saved state ships with the site (docs/_static/widgets,
+# from npm by docs/vendor_widgets.py): no CDN, so the panels appear offline. embed.js is the
+# standalone bundle (base, controls and output widgets), so require.js is not needed either.
+nb_ipywidgets_js = {"widgets/embed.js": {}}
+
+# pydata-sphinx-theme, as numpy, pandas and Jupyter use: a wide content column; ampnb.css lets
+# wide outputs (tables, code, repr text) scroll inside their cell instead of overflowing it.
+html_theme = "pydata_sphinx_theme"
 html_title = "ampnb: see and poke PyTorch mixed precision"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["ampnb.css"]
+html_theme_options = {
+    "navigation_with_keys": False,
+    "show_toc_level": 2,
+    "secondary_sidebar_items": ["page-toc"],
+    "footer_start": ["copyright"],
+    "footer_end": ["sphinx-version"],
+}
+html_sidebars = {"**": ["sidebar-nav-bs"]}
+copyright = "the ampnb developers; MIT licence"  # noqa: A001 - Sphinx's own setting name

@@ -348,17 +348,18 @@ print("rounded to fp16 :", v.half().tolist(), "(same precision as tf32, far less
 # %% [markdown]
 # It is switched with global flags (`torch.backends.cuda.matmul.allow_tf32`,
 # `torch.set_float32_matmul_precision("high")`), which is exactly the kind of state that leaks
-# between notebook cells. `ampnb.tf32(True)` is a context manager that sets them and puts them back:
+# between notebook cells. `ampnb.tf32(True)` is a context manager that sets them and puts them back.
+# Where no device has TF32 units (a CPU, a GPU older than Ampere) it also warns that the flags
+# change nothing there; on an Ampere or newer GPU it says nothing:
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% mystnb={"output_stderr": "show"}
 print("before:", torch.get_float32_matmul_precision())
 with ampnb.tf32(True):
     print("inside:", torch.get_float32_matmul_precision())
 print("after :", torch.get_float32_matmul_precision())
 
 # %% [markdown]
-# On a CPU these flags change nothing: there are no TF32 units. `%%amp --tf32 on` says so.
+# `%%amp --tf32 on` says what TF32 does on the cell's device too.
 # `--tf32 emulate` instead rounds the fp32 inputs of every matmul and convolution in the cell to
 # TF32's 10-bit mantissa (with `ampnb.quantize`), so you can see TF32's accuracy on any machine:
 
@@ -442,11 +443,23 @@ with torch.no_grad():
 features = torch.randn(512, 1024, generator=g) * 100
 with torch.no_grad():
     print(f"{sum(p.numel() for p in big.parameters()) / 1e6:.1f}M parameters; largest first-layer "
-          f"output in fp32: {big[0](features).abs().max().item():.0f} (fp16's max: 65504)")
+          f"output in fp32: {big[0](features).abs().max().item():.0f} "
+          f"(fp16's max: {ampnb.get_format('fp16').max:.0f})")
 
 # %%
 # %%amp 16-mixed --hunt
 out16 = big(features)
+
+# %% [markdown]
+# Each layer's output against the formats' ranges, captured in fp32 (`ampnb.capture`): a bar runs
+# from the smallest nonzero |x| to the largest on a log2 scale, and the solid vertical lines are
+# fp16's and bf16's largest values. A bar that passes fp16's line holds values that become inf
+# under fp16; bf16 has fp32's range and holds them all:
+
+# %%
+with torch.no_grad(), ampnb.capture(big, kinds=("activation",)) as layers:
+    big(features)
+ampnb.plots.plot_layer_summary(layers, formats=("fp16", "bf16")).figure
 
 # %% [markdown]
 # `--compare` shows what the same forward costs in each mode here, and its error (inf in the

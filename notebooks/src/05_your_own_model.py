@@ -89,9 +89,12 @@ report = ampnb.doctor(model, (ids, labels), loss_fn, optimizer=optimizer,
 report
 
 # %% [markdown]
-# The report starts with its verdict. On a CPU without native bf16 units nothing is faster than
-# 32-true, and it says so — then names the best low-precision choice for hardware that has the
-# units. Its evidence is also data: `report.modes` (one row per mode) and `report.layers`.
+# The report starts with its verdict, measured on the machine that ran this cell. Where a
+# low-precision mode is faster here and stays within tolerance (bf16-mixed on a CPU or GPU with
+# native bf16 units, say), that is the recommendation; where none is faster (a CPU without native
+# bf16 units), it recommends 32-true and says so, then names the best low-precision choice for
+# hardware that has the units. Its evidence is also data: `report.modes` (one row per mode) and
+# `report.layers`.
 # What broke in 16-mixed, and where?
 
 # %%
