@@ -100,3 +100,119 @@ def token_data(n: int = 8, seq: int = 6, vocab: int = 16, classes: int = 4
     """Token ids from the first `vocab` rows only, and class targets."""
     g = torch.Generator().manual_seed(2)
     return torch.randint(0, vocab, (n, seq), generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+class DtypeDrawn(nn.Module):
+    """Dropout whose draws depend on the dtype it runs in (as CUDA's attention kernels' do): one
+    random number per 16 bytes of its input, so fp32 and bf16 inputs get different masks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        per = 16 // x.element_size()
+        r = torch.rand(x.numel() // per + 1, device=x.device)
+        keep = r.repeat_interleave(per)[: x.numel()].view_as(x) >= 0.5
+        return x * keep * 2
+
+
+class DrawsByDtype(nn.Module):
+    """A Linear, the dtype-dependent dropout, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 64)
+        self.drop = DtypeDrawn()
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.inp(x)))
+
+
+class NumpyMasked(ForwardOverflow):
+    """ForwardOverflow whose forward zeroes 4 input features drawn from numpy's global RNG in
+    training, as wav2vec2's SpecAugment draws its masks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            import numpy as np
+
+            cols = torch.as_tensor(np.random.choice(x.shape[1], 4, replace=False))
+            x = x.index_fill(1, cols, 0.0)
+        return super().forward(x)
+
+
+class Dense(nn.Module):
+    """Five branches whose outputs (~1e5) overflow fp16, summed and scaled back to ~1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))
+        with torch.no_grad():
+            for b in self.branches:
+                b.weight.mul_(3e5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(b(x) for b in self.branches) / 1e6
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = Dense()
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.dense(x))
+
+
+class ManyLeaves(nn.Module):
+    """Two blocks whose `dense` each hold five overflowing Linear leaves: ten sites, over the
+    island cap, that their two `dense` parents group (T5's DenseReluDense)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class SlowInFp16(nn.Module):
+    """Plain, with a layer that takes 0.2 s per sample when it runs in fp16 (a CPU's slow fp16
+    kernels, injected): the doctor must measure the cost, not assume it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if h.dtype == torch.float16:
+            import time
+
+            time.sleep(0.2 * h.shape[0])
+        return self.head(torch.relu(h))
+
+
+class SlowStep(nn.Module):
+    """Plain whose every forward takes 0.2 s: a step long enough to count in a tiny budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.2)
+        return self.net(x)

@@ -115,3 +115,29 @@ def test_time_steps_interleaves_and_keeps_threads(monkeypatch):
     # warm-up round, then round-robin; a run with fewer steps drops out once it has them
     assert order == ["32-true", "bf16-mixed"] * 2 + ["32-true"] * 2
     assert torch.get_num_threads() == threads
+
+
+def test_a_gap_larger_than_the_measured_variation_is_slower_even_from_one_step(monkeypatch):
+    """Notebook 05's case (repeat=1, a CPU with native fp16): 16-mixed at 9.38 ms against
+    32-true's 1.12 ms was 'no measurable difference'; one step each cannot give a spread, but an
+    8x gap is far larger than 32-true's own step-to-step variation."""
+    _inject(monkeypatch, {"32-true": [1.12 * MS, 1.10 * MS], "bf16-mixed": [9.38 * MS]})
+    r = ampnb.doctor(Plain(), data(), CE, modes=MODES, tolerance=1.0, repeat=1, profile=False)
+    row = r.mode("bf16-mixed")
+    assert row.measurable and row.timed == 1 and row.ratio == pytest.approx(1.12 / 9.38)
+    assert "8.4x slower" in row.speed and "1 timed step each" in row.speed
+    assert "step-to-step variation" in row.speed and r.recommended.mode == "32-true"
+
+
+def test_bf16_and_fp16_not_measurably_apart_go_to_bf16(monkeypatch):
+    ref = [10.0, 10.2, 10.1, 10.3, 10.0]
+    bf16 = [5.0, 5.3, 5.1, 5.2, 5.4]
+    fp16 = [5.0, 5.2, 5.0, 5.1, 5.3]   # a hair faster by the median, within the spreads
+    _inject(monkeypatch, {"32-true": [t * MS for t in ref], "bf16-mixed": [t * MS for t in bf16],
+                          "16-mixed": [t * MS for t in fp16]})
+    r = ampnb.doctor(Plain(), data(), CE, modes=("32-true", "bf16-mixed", "16-mixed"),
+                     tolerance=1.0, repeat=5, profile=False)
+    assert r.mode("16-mixed").speedup > r.mode("bf16-mixed").speedup  # 16-mixed wins on speed
+    assert r.recommended.mode == "bf16-mixed"
+    assert any("not measurably different" in x and "no GradScaler" in x
+               for x in r.recommended.reasons)

@@ -46,9 +46,11 @@ def _forward(cand: Candidate, net: nn.Module, batch: Batch, loss_fn: Callable | 
 
 
 def ratios(ref: tuple[Candidate, nn.Module], cands: Sequence[tuple[Candidate, nn.Module]],
-           batch: Batch, loss_fn: Callable | None, device: str) -> dict[str, float]:
+           batch: Batch, loss_fn: Callable | None, device: str, stop: float = float("inf")
+           ) -> dict[str, float]:
     """Each candidate's forward time on its working copy over 32-true's on the fp32 one, on the
-    sliced batch (fastest of ROUNDS, interleaved); candidates whose forward fails here are
+    sliced batch (fastest of ROUNDS, interleaved); one forward slower than `stop` seconds ends
+    that candidate's probing (it has said enough); candidates whose forward fails here are
     left out."""
     small = sliced(batch)
     runs = (ref, *cands)
@@ -58,6 +60,8 @@ def ratios(ref: tuple[Candidate, nn.Module], cands: Sequence[tuple[Candidate, nn
         for c, net in runs:
             if c.name in failed:
                 continue
+            if times[c.name] and c is not ref[0] and max(times[c.name]) > stop:
+                continue
             try:
                 times[c.name].append(_forward(c, net, small, loss_fn, device))
             except (RuntimeError, TypeError, ValueError):
@@ -66,4 +70,5 @@ def ratios(ref: tuple[Candidate, nn.Module], cands: Sequence[tuple[Candidate, nn
     if name in failed:
         return {}
     base = max(min(times[name][1:]), 1e-9)
-    return {c.name: min(times[c.name][1:]) / base for c, _ in cands if c.name not in failed}
+    return {c.name: min(times[c.name][1:] or times[c.name]) / base for c, _ in cands
+            if c.name not in failed}

@@ -19,7 +19,7 @@ from torch import nn
 from ampnb.device import sync
 from ampnb.diagnosis.budget import Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
-from ampnb.diagnosis.cost import ratios
+from ampnb.diagnosis.cost import SLICE, ratios
 from ampnb.diagnosis.run import (
     MIN_SCALE,
     Setup,
@@ -177,7 +177,8 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
         if key not in copies:
             copies[key] = _copy(setup, c)
         found = ratios((ref_cand, copies["fp32"][0]), [(c, copies[key][0])], setup.batch,
-                       setup.loss_fn, setup.device) if setup.step is None else {}
+                       setup.loss_fn, setup.device, stop=limit / SLICE) \
+            if setup.step is None else {}
         estimates[c.name] = plain * found.get(c.name, 1.0)
         what = f"{c.name}: its step"
         if estimates[c.name] > limit:

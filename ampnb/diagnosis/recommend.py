@@ -127,10 +127,10 @@ def _enclosing(row: ModeRow, keep: tuple[str, ...], layers: tuple[LayerRow, ...]
     return [parent] if parent in {r.module for r in layers} and parent not in keep else []
 
 
-def grouped(keep: tuple[str, ...], new: list[str]) -> list[str]:
+def grouped(keep: tuple[str, ...], new: list[str], called: set[str]) -> list[str]:
     """Sites over MAX_ISLANDS put under their nearest common parents (the deepest module that
-    holds two or more of them first: T5's `DenseReluDense` for its Linear leaves) until they
-    fit, or no parent below the model itself is left to group them."""
+    ran and holds two or more of them first: T5's `DenseReluDense` for its Linear leaves) until
+    they fit, or no parent below the model itself is left to group them."""
     found = [m for m in new if m not in keep]
     while len(keep) + len(found) > MAX_ISLANDS:
         under: dict[str, int] = {}
@@ -138,13 +138,14 @@ def grouped(keep: tuple[str, ...], new: list[str]) -> list[str]:
             parts = m.split(".")
             for i in range(1, len(parts)):
                 under[".".join(parts[:i])] = under.get(".".join(parts[:i]), 0) + 1
-        shared = [a for a, n in under.items() if n >= 2]
+        shared = [a for a, n in under.items() if n >= 2 and a in called]
         if not shared:
             break
-        top = max(shared, key=lambda a: (a.count("."), under[a]))
-        first = next(i for i, m in enumerate(found) if m.startswith(f"{top}."))
-        rest = [m for m in found if not m.startswith(f"{top}.")]
-        found = rest[:first] + [top] + rest[first:]
+        depth = max(a.count(".") for a in shared)  # the nearest parents, all at once
+        for top in [a for a in shared if a.count(".") == depth]:
+            first = next(i for i, m in enumerate(found) if m.startswith(f"{top}."))
+            rest = [m for m in found if not m.startswith(f"{top}.")]
+            found = rest[:first] + [top] + rest[first:]
     return found
 
 
@@ -186,7 +187,7 @@ def islands(row: ModeRow, layers: tuple[LayerRow, ...], tol: Tolerance,
                             f"no leaf's local error {LOCAL_OUTLIER:g}x the mode's median")
             break
         if len(keep) + len(new) > MAX_ISLANDS:
-            new = grouped(keep, new)
+            new = grouped(keep, new, {r.module for r in layers})
         if len(keep) + len(new) > MAX_ISLANDS:
             said.append(f"{len(keep) + len(new)} modules to keep, over the cap of {MAX_ISLANDS}, "
                         f"and no common parent below the model groups them "
