@@ -57,9 +57,24 @@ def _demo_gpt() -> tuple:
     return d.model, d.batches[0], d.optimizer, d.loss_fn
 
 
+def _conv() -> tuple:
+    # Convolutions: on a CPU they have no emulated fp16 kernels (only GEMMs do), so 16-mixed runs
+    # torch's native fp16 convolutions, many times slower than fp32's where fp16 units are absent.
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.GELU(),
+                          nn.Conv2d(64, 64, 3, padding=1), nn.GELU(),
+                          nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.GELU(),
+                          nn.Conv2d(128, 128, 3, padding=1), nn.GELU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+    batch = (torch.randn(16, 3, 48, 48), torch.randint(0, 10, (16,)))
+    return model, batch, torch.optim.AdamW(model.parameters()), nn.functional.cross_entropy
+
+
 # name -> () -> (model, batch, optimizer, loss_fn or None: the model's own loss)
 MODELS: dict[str, Callable[[], tuple]] = {
-    "tiny": _tiny, "demo-gpt": _demo_gpt, "gpt2-5M": _gpt2_5m, "gpt2-17M": _gpt2_17m}
+    "tiny": _tiny, "demo-gpt": _demo_gpt, "gpt2-5M": _gpt2_5m, "gpt2-17M": _gpt2_17m,
+    "conv": _conv}
 
 
 @dataclass(frozen=True)
@@ -84,6 +99,7 @@ class Measurement:
     not_fit: str = ""     # what the doctor's report says did not fit its budget
     budget: str = ""      # the report's line on its budget and what it spent
     most_time: str = ""   # the doctor's three longest stages
+    speeds: str = ""      # each mode's measured speed against 32-true, as the report gives it
 
 
 def command(kind: str, model: str, threads: int) -> list[str]:
@@ -203,7 +219,13 @@ def child(kind: str, model_name: str, threads: int) -> Measurement:
                        step_low=quartiles[0], step_high=quartiles[2], import_seconds=imported,
                        headline=report.recommended.headline, not_fit=_short(getattr(report, _NOT_FIT, ())),
                        budget=_said(report, _BUDGET).split("; order")[0],
-                       most_time=phases.top())
+                       most_time=phases.top(), speeds=_speeds(report))
+
+
+def _speeds(report: Any) -> str:
+    """'bf16-mixed: 1.42x (...)' per mode the report timed."""
+    return "; ".join(f"{m.label}: {m.speed}" for m in report.modes[1:]
+                     if getattr(m, "ratio", None) is not None)
 
 
 if __name__ == "__main__":

@@ -220,7 +220,8 @@ def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,
             clock.skip(f"timing {c.name}")
         return {}
     if rounds < repeat:
-        clock.skip(f"timed steps {rounds + 1}-{repeat} of "
+        which = f"{rounds + 1}" if rounds + 1 == repeat else f"{rounds + 1}-{repeat}"
+        clock.skip(f"timed step{'s' if rounds + 1 < repeat else ''} {which} of "
                    f"{', '.join(c.name for c in timed[1:])} beside 32-true")
     say(f"timing {len(timed)} modes round-robin ({rounds} steps each, "
         f"{torch.get_num_threads()} threads)")
