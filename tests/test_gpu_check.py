@@ -32,3 +32,79 @@ def test_the_gpu_benchmark_reports_figures_only_where_there_is_cuda():
         assert len(rows) == 1 and rows[0].ok is None and "no CUDA" in rows[0].figure
     else:
         assert rows[0].ratio > 0 and all(r.figure for r in rows)
+
+
+def _makefile_target(name: str) -> str:
+    text = (ROOT / "Makefile").read_text()
+    start = text.index(f"\n{name}:") + 1
+    end = text.find("\n\n", start)
+    return text[start:end]
+
+
+def test_make_test_runs_the_kernel_sensitive_tests_as_an_avx2_cpu():
+    target = _makefile_target("unit-avx2")
+    assert "ATEN_CPU_CAPABILITY=avx2" in target and "unit-avx2" in _makefile_target("test")
+    text = (ROOT / "Makefile").read_text()
+    listed = text[text.index("AVX2_TESTS :="):text.index("\nunit-avx2:")].split()
+    files = [f for f in listed if f.startswith("tests/")]
+    assert "tests/test_distributed_parity.py" in files and "tests/test_fp16_kernels.py" in files
+    assert all((ROOT / f).exists() for f in files)
+
+
+def test_gpu_check_needs_no_venv_and_gpu_wheels_downloads_for_the_gpu_machine():
+    assert "$(STAMP)" not in _makefile_target("gpu-check").splitlines()[0]  # no pip there
+    assert "gpu_check wheels" in _makefile_target("gpu-wheels")
+    from benchmarks import gpu_check
+
+    pins = gpu_check.closure()
+    for name in ("ipython", "ipywidgets", "nbval", "traitlets", "jedi", "comm"):
+        assert name in pins
+    assert "colorama" not in pins  # Windows only: markers are read for Linux
+    cmd = gpu_check.download_command(pins, Path("/tmp/w"))
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and "--no-deps" in cmd
+    assert "--only-binary=:all:" in cmd and "manylinux2014_x86_64" in cmd
+    assert "ipython==" + pins["ipython"] in cmd
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(gpu_check.WHEELS / "x.whl")],
+                             cwd=ROOT)
+    assert ignored.returncode == 0  # the wheels are never committed
+
+
+def test_gpu_check_installs_only_what_the_machine_lacks(tmp_path):
+    from benchmarks import gpu_check
+
+    for name in ("ipython-9.0.0-py3-none-any.whl", "prompt_toolkit-3.0.0-py3-none-any.whl",
+                 "not_installed_here-1.0-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    assert [w.name for w in gpu_check.missing_wheels(tmp_path)] == [
+        "not_installed_here-1.0-py3-none-any.whl"]
+
+
+def test_gpu_check_runs_every_test_file_that_touches_cuda_in_parallel():
+    from benchmarks import gpu_check
+
+    files = gpu_check.cuda_tests()
+    for name in ("test_magics.py", "test_magics_report.py", "test_trace.py", "test_memory.py",
+                 "test_compare.py", "test_device_placement.py"):
+        assert f"tests/{name}" in files
+    assert "tests/test_formats.py" not in files
+    cmd = gpu_check.pytest_command(files)
+    assert cmd[-len(files):] == files
+    assert gpu_check.TESTS_SECONDS + gpu_check.BENCH_SECONDS <= 300 - 10  # 5 minutes, install too
+
+
+def test_the_gpu_benchmarks_compare_work_has_no_autocast_of_its_own():
+    """compare() applies each mode; a step with its own autocast(enabled=False) inside would
+    turn the mode's autocast off and time fp32 twice."""
+    from ampnb.comparison import compare
+    from ampnb.instruments import trace_ops
+    from ampnb.models import demo
+    from benchmarks import bench_gpu
+
+    d = demo("mlp")
+    model, opt, loss_fn, batches = d
+    step = bench_gpu._plain_step(model, opt, loss_fn, *batches[0])
+    c = compare(step, ("bf16-mixed",), repeat=1, model=model)
+    assert c.device == "cpu" and not c.row("bf16-mixed").failed
+    with torch.autocast("cpu", dtype=torch.bfloat16), trace_ops() as t:
+        step()
+    assert "bfloat16" in repr(t)
