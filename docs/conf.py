@@ -33,7 +33,7 @@ nb_ipywidgets_js = {"widgets/embed.js": {}}
 # pydata-sphinx-theme, as numpy, pandas and Jupyter use: a wide content column; ampnb.css lets
 # wide outputs (tables, code, repr text) scroll inside their cell instead of overflowing it.
 html_theme = "pydata_sphinx_theme"
-html_title = "ampnb: see and poke PyTorch mixed precision"
+html_title = "ampnb"
 html_static_path = ["_static"]
 html_css_files = ["ampnb.css"]
 html_theme_options = {
@@ -43,5 +43,6 @@ html_theme_options = {
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
 }
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+# The pages are listed in the top bar; no left sidebar, so the article gets the width.
+html_sidebars: dict[str, list[str]] = {"**": []}
 copyright = "the ampnb developers; MIT licence"  # noqa: A001 - Sphinx's own setting name
