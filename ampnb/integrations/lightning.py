@@ -43,7 +43,6 @@ class PrecisionMonitor(pl.Callback):
         self.watch: Any = None            # the running (or last) watch
         self._pending: list[StepRecord] = []
         self._first_step = 0              # the Trainer's global step when the watch attached
-        self._attached = False
 
     @property
     def records(self) -> tuple[StepRecord, ...]:
@@ -63,20 +62,13 @@ class PrecisionMonitor(pl.Callback):
                           "optimizers", stacklevel=2)
         self._pending = []
         self._first_step = trainer.global_step
+        # record.loss: the sum of what Lightning's backward starts from (each training_step
+        # loss / accumulate_grad_batches): the mean of the step's losses, as Lightning logs them
         self.watch = watch(pl_module, trainer.optimizers[0], precision_scaler(trainer),
                            every=self.every, log_dir=self.log_dir,
                            keep_overflow=self.keep_overflow)
-        self._attached = True
         if self.log:
             self.watch.on_record(self._pending.append)  # logged at the batch's end, below
-
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-        if not self._attached or trainer.accumulate_grad_batches == 1:
-            return  # the watch takes the backward's root itself, unscaled, without a device sync
-        # the root is the loss divided by accumulate_grad_batches (and, under a scaler, scaled)
-        scaler = precision_scaler(trainer)
-        scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
-        self.watch.log_loss(loss.detach().float() / scale * trainer.accumulate_grad_batches)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -103,6 +95,5 @@ class PrecisionMonitor(pl.Callback):
                 logger.log_metrics(metrics(record), step=self._first_step + record.step)
 
     def _close(self) -> None:
-        self._attached = False
         if self.watch is not None:
             self.watch.close()  # a second close does nothing

@@ -5,8 +5,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
-
 from ampnb.integrations import metrics
 from ampnb.watch.records import StepRecord
 
@@ -51,7 +49,6 @@ class PrecisionMonitorCallback(TrainerCallback):
         self.log = log
         self.watch: Any = None
         self._pending: list[StepRecord] = []
-        self._loss_hook: Any = None
 
     @property
     def records(self) -> tuple[StepRecord, ...]:
@@ -70,17 +67,12 @@ class PrecisionMonitorCallback(TrainerCallback):
         model = trainer.model if model is None else model  # (a Module's truth is its length)
         optimizer = trainer.optimizer if optimizer is None else optimizer
         self._pending = []
+        # record.loss is the sum of what the Trainer's backward starts from over the step's
+        # micro-batches: the loss the Trainer itself logs for that step
         self.watch = watch(model, optimizer, trainer.accelerator.scaler, every=self.every,
                            log_dir=self.log_dir, keep_overflow=self.keep_overflow)
-        # the Trainer's backward gets the loss divided for accumulation: the model's own is exact
-        self._loss_hook = model.register_forward_hook(self._model_loss)
         if self.log:
             self.watch.on_record(self._pending.append)
-
-    def _model_loss(self, module: Any, args: Any, output: Any) -> None:
-        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if loss is not None and module.training and torch.is_grad_enabled():
-            self.watch.log_loss(loss.detach())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         pending, self._pending[:] = list(self._pending), []
@@ -98,9 +90,6 @@ class PrecisionMonitorCallback(TrainerCallback):
 
     def close(self) -> None:
         """Detach the watch (train() ending does it; after a train() that raised, call this)."""
-        if self._loss_hook is not None:
-            self._loss_hook.remove()
-            self._loss_hook = None
         if self.watch is not None:
             self.watch.close()  # a second close does nothing
 

@@ -5,10 +5,12 @@ its children), forward hooks on every module on statistics steps (tensor hooks o
 outputs), the optimizer's step pre/post hooks, the scaler read through `get_scale()` only, and
 each backward's roots (its losses) from the one engine-call hook every watch shares
 (backward.py says why that one is not public). A step ends at the optimizer's step post hook; a
-step the GradScaler skipped (it never calls optimizer.step) ends when its gradients are reset or
-unscaled (zero_grad, scaler.step) and the next forward starts, or at `close()`/`records`. Between
-statistics steps nothing is read back from the device: the records of those steps are made at
-the next statistics step, `close()` or `records` (callbacks get them then).
+step the GradScaler skipped (it never calls optimizer.step, unless fused: then its found_inf says
+so) is seen to have ended at the next forward (its gradients reset, or the scale backed off), or
+at `close()`/`records`. Without a GradScaler nothing is read back from the device between
+statistics steps (with one, its scale is: `scaler.step` itself reads found_inf every step): those
+steps' records are made at the next statistics step, `close()` or `records`, and callbacks get
+them then.
 """
 
 from __future__ import annotations
@@ -213,11 +215,14 @@ class Watch:
         return ()
 
     def _settle(self) -> None:
-        """A step whose gradients were reset or unscaled since its last backward, with no
-        optimizer.step since, has ended: skipped by the GradScaler (or by the loop itself)."""
+        """A step with no optimizer.step since its last backward has ended when its gradients
+        were reset since (zero_grad) or its GradScaler's update changed the scale (Lightning
+        zeroes them only after the next forward): skipped by the scaler (or by the loop)."""
         s = self._state
-        if s is not None and s.micro_batches and self._token is not None \
-                and self._grads() != self._token:
+        if s is None or not s.micro_batches:
+            return
+        if (self._token is not None and self._grads() != self._token
+                or self._scaler is not None and float(self._scaler.get_scale()) != s.scale):
             self._finish(skipped=self._scaler is not None)
 
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -275,24 +280,18 @@ class Watch:
         def after() -> None:
             s.after_backward(roots)
             self._token = self._grads()
-            if s.stats and self._scaler is not None:
-                s.grad_sum = self._first_grad_sum()
         return after
-
-    def _first_grad_sum(self) -> torch.Tensor | None:
-        """|first gradient| summed (no read): changed by unscale_, which bumps no version."""
-        g = next((p.grad for g in self._optimizer.param_groups for p in g["params"]
-                  if p.grad is not None), None)
-        return None if g is None else g.detach().abs().sum(dtype=torch.float64)
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         s = self._current()
+        # A GradScaler hands an optimizer that unscales inside its own (fused) step the scale
+        # and its found_inf as these two attributes, and calls its step even to skip it
+        found = getattr(optimizer, "found_inf", None)
+        if self._scaler is not None and isinstance(found, torch.Tensor):
+            s.found_inf = found  # read when the record is made
         if s.stats:
-            divisor = 1.0
-            if self._scaler is not None and s.scale and s.grad_sum is not None and torch.equal(
-                    s.grad_sum, self._first_grad_sum()):  # fused: Lightning skips unscale_
-                divisor = s.scale  # the gradients are as backward left them: scaled
-            s.read_grads(self._modules, self._stats, divisor)
+            scaled = isinstance(getattr(optimizer, "grad_scale", None), torch.Tensor)
+            s.read_grads(self._modules, self._stats, s.scale if scaled and s.scale else 1.0)
         if self._scaler is None:
             gs = [p.grad for g in optimizer.param_groups for p in g["params"]
                   if p.grad is not None]
@@ -333,8 +332,8 @@ class Watch:
         s, self._state, self._token = self._current(), None, None
         s.skipped = skipped
         s.seconds, s.time = time.perf_counter() - s.t0, time.time()
-        if skipped and self._keeping:  # a skipped step left model and optimizer as they were
-            self._keep(s)
+        if self._keeping and (skipped or s.found_inf is not None and bool(s.found_inf)):
+            self._keep(s)  # a skipped step left model and optimizer as they were
         if s.stats:
             if not s.grads_read:  # skipped: optimizer.step never ran; unscale_ did
                 s.read_grads(self._modules, self._stats, 1.0)
@@ -359,6 +358,7 @@ class Watch:
         """The ended steps' records (their reads happen here), logged and given to callbacks."""
         ended, self._ended = self._ended, []
         for s in ended:
+            s.skipped = s.skipped or s.found_inf is not None and bool(s.found_inf)
             loss = s.loss()
             finite = math.isfinite(loss) and (s.grads_probe is None
                                               or math.isfinite(float(s.grads_probe)))

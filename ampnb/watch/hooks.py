@@ -147,7 +147,7 @@ class StepState:
         self.flush: dict[int, torch.Tensor] = {}  # [flushed, nonzero]
         self.divisor = 1.0
         self.grads_read = False
-        self.grad_sum: torch.Tensor | None = None     # stats steps: how backward left a grad
+        self.found_inf: torch.Tensor | None = None    # a fused step's, from its GradScaler
         self.grads_probe: torch.Tensor | None = None  # no scaler: finite iff every grad was
         self.skipped = False
         self.inputs: list[tuple[tuple, dict]] = []        # keep_overflow: this step's batches
