@@ -54,6 +54,13 @@ def test_a_cell_with_only_tensors_runs_where_they_are(ip, gpu_machine):
     assert "on cpu (where the tensors the cell uses (w, x) are)" in shown(out)
 
 
+def test_a_module_without_parameters_leaves_the_choice_to_the_tensors(ip, gpu_machine):
+    ip.user_ns.update(relu=torch.nn.ReLU(), w=torch.randn(16, 4))
+    _, out = amp(ip, "bf16-mixed", "z = relu(x @ w)")
+    assert ip.user_ns["z"].dtype == torch.bfloat16
+    assert "on cpu (where the tensors the cell uses (w, x) are)" in shown(out)
+
+
 def test_a_cell_that_makes_its_own_tensors_runs_on_torchs_default_device(ip, gpu_machine):
     _, out = amp(ip, "bf16-mixed", "z = torch.ones(2, 3) @ torch.ones(3, 2)")
     assert ip.user_ns["z"].dtype == torch.bfloat16

@@ -60,10 +60,10 @@ def placement(device: Any, ns: dict[str, Any] | None = None,
     used = used_names(names, ns) if ns is not None else set()
     models = module_roots(ns, used) if used else {}
     found = [(f"the parameters of {', '.join(models)}", list(models.values()))] if models else []
-    if used and not models:
-        free = {n: ns[n] for n in sorted(used) if not n.startswith("_") and n in ns
-                and named_tensors(ns[n], n)}
-        found = [(f"the tensors the cell uses ({', '.join(free)})", list(free.values()))]
+    free = {n: ns[n] for n in sorted(used) if not n.startswith("_") and n in ns
+            and not isinstance(ns[n], nn.Module) and named_tensors(ns[n], n)}
+    if free:  # where no model holds parameters (nn.ReLU(), or none), the tensors decide
+        found.append((f"the tensors the cell uses ({', '.join(free)})", list(free.values())))
     if not found and stated is None and ranks and torch.cuda.is_available():
         # --nproc ranks make their data on the `device` they are given: CUDA's, where present
         return Placement(device_name("cuda"), "the ranks' device: cuda when present; the cell "
