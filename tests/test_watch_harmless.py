@@ -245,3 +245,24 @@ def test_a_copy_of_the_run_without_a_watch_is_the_reference():
     with warnings.catch_warnings():
         for p, q in zip(a.parameters(), b.parameters(), strict=True):
             assert torch.equal(p, q)
+
+
+# ----- compiled models -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile()", "a compiled block"])
+def test_a_compiled_model_or_block_is_refused_in_one_line(how):
+    m = Planted()
+    opt = _opt(m)
+    if how == "torch.compile":
+        target = torch.compile(m)
+    elif how == "model.compile()":
+        target = m
+        m.compile()  # compiles lazily: nothing is compiled until it runs
+    else:
+        target = m
+        m.fc1 = torch.compile(m.fc1)
+    with pytest.raises(ValueError) as e:
+        ampnb.watch(target, opt)
+    assert "\n" not in str(e.value) and "compiled" in str(e.value)
+    assert not any(x._forward_pre_hooks for x in m.modules())

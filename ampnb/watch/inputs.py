@@ -24,10 +24,15 @@ def unwrap_model(model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model={_shown(model)} is not allowed; allowed: an nn.Module with "
                          "parameters")
-    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-        # hooks inside a compiled graph break it or are traced away: not supported
-        raise ValueError("model is a torch.compile'd OptimizedModule, which ampnb.watch does not "
-                         "support; allowed: the model without torch.compile")
+    for name, m in model.named_modules():
+        # hooks are traced into a compiled graph (inductor then fuses the step differently from
+        # the unwatched compiled run) and compiled blocks are named with `_orig_mod`: refused
+        if (type(m).__name__ == "OptimizedModule" and hasattr(m, "_orig_mod")
+                or getattr(m, "_compiled_call_impl", None) is not None):
+            what = f"its block {name!r}" if name else "model"
+            raise ValueError(f"{what} is compiled (torch.compile or .compile()), which "
+                             "ampnb.watch does not support; allowed: the model without "
+                             "torch.compile")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module  # names without the 'module.' prefix
     if next(model.parameters(), None) is None:
