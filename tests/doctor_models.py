@@ -185,7 +185,7 @@ class ManyLeaves(nn.Module):
 
 
 class SlowInFp16(nn.Module):
-    """Plain, with a layer that takes 0.2 s per sample when it runs in fp16 (a CPU's slow fp16
+    """Plain, with a layer that takes 0.5 s per sample when it runs in fp16 (a CPU's slow fp16
     kernels, injected): the doctor must measure the cost, not assume it."""
 
     def __init__(self) -> None:
@@ -199,7 +199,7 @@ class SlowInFp16(nn.Module):
         if h.dtype == torch.float16:
             import time
 
-            time.sleep(0.2 * h.shape[0])
+            time.sleep(0.5 * h.shape[0])
         return self.head(torch.relu(h))
 
 
