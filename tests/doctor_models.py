@@ -216,3 +216,17 @@ class SlowStep(nn.Module):
 
         time.sleep(0.2)
         return self.net(x)
+
+
+class Fp32Embedding(nn.Module):
+    """A timestep embedding built in fp32 inside forward (as a diffusion UNet's): it meets the
+    weights' dtype in a matmul, which fails when the weights are bf16 (bf16-true)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.arange(16, dtype=torch.float32).expand(x.shape[0], 16)
+        return nn.functional.linear(x + t, self.lin.weight, self.lin.bias)

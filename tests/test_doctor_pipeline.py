@@ -11,6 +11,7 @@ import torch
 from doctor_models import (
     DrawsByDtype,
     DtypeDrawn,
+    Fp32Embedding,
     ManyLeaves,
     NumpyMasked,
     Plain,
@@ -126,3 +127,12 @@ def test_a_stated_device_that_is_not_the_models_is_an_error_naming_both(monkeypa
                         type("Dev", (), {"name": str(d)})())
     with pytest.raises(ValueError, match=r"device='cuda'.*parameters are on cpu.*'cpu'"):
         ampnb.doctor(Plain(), data(), CE, device="cuda", **QUIET)
+
+
+def test_a_mode_that_fails_is_named_with_its_error_and_the_others_still_run():
+    r = ampnb.doctor(Fp32Embedding(), data(), CE, modes=("32-true", "bf16-mixed", "bf16-true"),
+                     **QUIET)
+    said = [s for s in r.skipped if s.startswith("bf16-true")]
+    assert said and "RuntimeError" in said[0] and "dtype" in said[0]
+    assert "not run: " + said[0] in repr(r.table())
+    assert r.mode("bf16-mixed").ratio is not None  # the modes that ran are reported

@@ -54,6 +54,7 @@ class Headline:
     beside: dict[str, list[float]] = field(default_factory=dict)  # 32-true's steps in its rounds
     estimates: dict[str, float] = field(default_factory=dict)  # seconds per step, beforehand
     too_large: tuple[str, ...] = ()                # modes whose one step is over the budget
+    failed: tuple[str, ...] = ()                   # "mode: could not run here (torch's error)"
 
 
 def reset(setup: Setup, net: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -95,6 +96,13 @@ def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.O
         grad_bytes=_nbytes(p.grad for p in net.parameters()),
         optimizer_bytes=_nbytes(v for st in opt.state.values() for v in st.values()),
         scale=out.scale, skipped=skipped, seconds=seconds, grads=store or {}, **left)
+
+
+def _copy_bytes(ref: StepResult, c: Candidate) -> int:
+    """A converted copy's weights, gradients and optimizer state, from the fp32 reference's
+    (scaled by the mode's parameter width; optimizer state kept as wide as the weights)."""
+    width = c.mode.param_dtype.itemsize / 4 if c.mode.param_dtype.is_floating_point else 1.0
+    return int(width * (ref.param_bytes + ref.grad_bytes + ref.optimizer_bytes))
 
 
 def _noise(times: Sequence[float]) -> float | None:
@@ -166,7 +174,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
     `must` (the headline) unless one step is larger than the whole budget, else as it fits."""
     setup, plain = head.setup, clock.plain
     estimates = dict(head.estimates)
-    runs, too_large = dict(head.runs), list(head.too_large)
+    runs, too_large, failed = dict(head.runs), list(head.too_large), list(head.failed)
     scalers: dict[str, torch.amp.GradScaler | None] = {}
     limit = clock.budget.limit(plain)
     for c in cands:
@@ -175,6 +183,10 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
             clock.skip(f"{c.name}: its step")
             continue
         if key not in copies:
+            need = _copy_bytes(head.ref, c)
+            if setup.cap is not None and not setup.cap.fits(need):
+                clock.skip(f"{c.name}: its step", f"its converted copy {setup.cap.why(need)}")
+                continue
             copies[key] = _copy(setup, c)
         found = ratios((ref_cand, copies["fp32"][0]), [(c, copies[key][0])], setup.batch,
                        setup.loss_fn, setup.device, stop=limit / SLICE) \
@@ -193,15 +205,16 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
         say(f"{c.name}: its first step ({c.how})")
         try:
             runs[c.name] = first_step(setup, c, *copies[key], head.ref, clock)
-        except RuntimeError as e:  # e.g. a kernel this CPU lacks for the dtype
-            clock.skip(what, f"could not run here: {str(e).splitlines()[0][:100]}")
+        except (RuntimeError, TypeError) as e:  # a kernel this CPU lacks, dtypes that clash
+            failed.append(f"{c.name}: its step failed here ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]})")
             continue
         estimates[c.name] = runs[c.name].seconds
         scale = runs[c.name].scale
         scalers[c.name] = c.mode.make_scaler(setup.device) if scale is None else \
             torch.amp.GradScaler(torch.device(setup.device).type, init_scale=scale)
-    return dataclasses.replace(head, runs=runs, estimates=estimates,
-                               too_large=tuple(too_large)), scalers
+    return dataclasses.replace(head, runs=runs, estimates=estimates, too_large=tuple(too_large),
+                               failed=tuple(failed)), scalers
 
 
 def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,

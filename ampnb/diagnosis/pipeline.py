@@ -134,7 +134,7 @@ def report(setup: Setup, p: Plan, head: Headline, found: list[ModeRow], isl: Isl
     grads = {c: r.param_errors for c, r in {**head.runs, **more.runs}.items() if c != REFERENCE}
     notes = tuple(n for n in (head.setup.quiet.note, *more.notes) if n)
     return DoctorReport(setup.device, rec, elsewhere, tuple(every), more.layers, grads,
-                        more.profiles, p.skipped, more.fp64, notes, s.tol,
+                        more.profiles, (*p.skipped, *head.failed), more.fp64, notes, s.tol,
                         torch.get_num_threads(), s.repeat, tuple(clock.left_out),
                         clock.summary(), checks.checks, noise=head.noise)
 
