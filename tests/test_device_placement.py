@@ -110,6 +110,7 @@ def test_the_workbench_runs_where_the_model_is(gpu_machine):
     wb = Workbench(*_workbench_parts(), mode="bf16-mixed")
     assert str(wb.device) == "cpu" and wb.placement.why == "where the model's parameters are"
     assert wb.step().output_dtype == torch.bfloat16
+    assert wb.table().caption == "Workbench steps, started on cpu (where the model's parameters are)"
 
 
 def test_the_workbench_refuses_a_stated_device_the_model_is_not_on(gpu_machine):

@@ -239,7 +239,7 @@ class Workbench(TableView):
         return speedup(self.history, self._mode.name, str(self._device), window)
 
     def table(self, last: int | None = None) -> Table:
-        return history_table(self.history, last)
+        return history_table(self.history, last, str(self.placement))
 
     def __repr__(self) -> str:
         return (f"Workbench(mode={self._mode.name!r}, device={str(self._device)!r}, "

@@ -62,8 +62,8 @@ def speedup(history: Sequence[StepRecord], mode: str, device: str,
     return ref / cur
 
 
-def history_table(history: Sequence[StepRecord], last: int | None = None) -> Table:
-    """The step records as a table."""
+def history_table(history: Sequence[StepRecord], last: int | None = None, where: str = "") -> Table:
+    """The step records as a table; `where`: the device the Workbench started on, and why."""
     rows = [(r.step, r.mode, r.device, "on" if r.tf32 else "off", dtype_name(r.param_dtype),
              f"{r.loss:.6g}", f"{r.seconds * 1e3:.1f} ms", format_bytes(r.memory),
              format_bytes(r.cuda_peak), "yes" if r.skipped else "",
@@ -75,4 +75,5 @@ def history_table(history: Sequence[StepRecord], last: int | None = None) -> Tab
     notes += tuple(dict.fromkeys(f"{r.mode}: kept in fp32: {', '.join(r.keep_fp32)}"
                                  for r in history if r.keep_fp32))
     return Table(("step", "mode", "device", "tf32", "params", "loss", "time", "saved for backward",
-                  "CUDA peak", "skipped", "scale", "weights after"), rows, caption="Workbench steps", notes=notes)
+                  "CUDA peak", "skipped", "scale", "weights after"), rows,
+                 caption="Workbench steps" + (f", started on {where}" if where else ""), notes=notes)
