@@ -81,6 +81,11 @@ def status(name: str, device: torch.device, recipe: Fp8Recipe | None,
     return "" if emulate else fp8_gpu_problem(device)
 
 
+# What a user must know about a backend's layers once converted.
+_NOTE = {"te": "; its layers compute FP8 inside transformer_engine.pytorch.fp8_autocast() only "
+               "(the transformer-engine mode's forward_context enters it)"}
+
+
 def choose(backend: str, device: torch.device, recipe: Fp8Recipe | None,
            emulate: bool = False) -> Backend:
     """The backend to use: the one named, or for "auto" the first in BACKENDS that runs here."""
@@ -95,12 +100,13 @@ def choose(backend: str, device: torch.device, recipe: Fp8Recipe | None,
         if why:
             raise ValueError(f"backend={backend!r} cannot run here: {why}; allowed here: 'ampnb' "
                              "(the emulation) or 'auto'")
-        return Backend(backend, "asked for" + (" (emulated)" if emulate else ""), emulate)
+        return Backend(backend, "asked for" + _NOTE.get(backend, ""), emulate)
     why_not = []
     for name in BACKENDS:
         why = status(name, device, recipe)
         if not why:
-            return Backend(name, "auto: " + ("; ".join(why_not) or f"runs here ({device.type})"))
+            ran = "; ".join(why_not) or f"runs here ({device.type})"
+            return Backend(name, f"auto: {ran}{_NOTE.get(name, '')}")
         why_not.append(f"{'Transformer Engine' if name == 'te' else name}: {why}")
     raise AssertionError("the ampnb backend always runs")  # pragma: no cover
 

@@ -16,13 +16,15 @@ from torch.nn import functional as F
 
 from ampnb.formats import FloatFormat
 from ampnb.fp8.autocast import fp8_active
+from ampnb.fp8.backends import fp8_gpu_problem
 from ampnb.fp8.layers import kind_of
 from ampnb.fp8.recipe import Fp8Recipe, Scaling, from_recipe_name
 from ampnb.fp8.scaling import (
     amax_to_scale,
+    dequantize,
     history_to_amax,
     push_amax,
-    scaled_quantize,
+    scaled_cast,
     tensor_to_amax,
 )
 
@@ -35,33 +37,24 @@ class Role(IntEnum):
     GRAD_OUTPUT = 2
 
 
-def _mm_dequantize(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor,
-                   sb: torch.Tensor) -> torch.Tensor:
-    """a @ b from FP8 values: dequantize each to fp32 (q / scale), then an fp32 matmul."""
-    return (qa / sa) @ (qb / sb)
-
-
-def _mm_scaled(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-               fa: FloatFormat, fb: FloatFormat) -> torch.Tensor:
-    """a @ b with torch._scaled_mm on real FP8 tensors (b column-major, inverse scales)."""
-    a8 = qa.to(fa.torch_dtype).contiguous()
-    b8 = qb.t().contiguous().to(fb.torch_dtype).t()
+def _mm_scaled(qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor,
+               sb: torch.Tensor) -> torch.Tensor:
+    """a @ b with torch._scaled_mm on the FP8 tensors (b column-major, inverse scales)."""
     one = torch.ones((), device=qa.device)
-    return torch._scaled_mm(a8, b8, scale_a=one / sa, scale_b=one / sb, out_dtype=torch.float32)
+    return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=one / sa,
+                            scale_b=one / sb, out_dtype=torch.float32)
 
 
-def _scaled_mm_fits(device: torch.device) -> bool:
-    # FP8 tensor cores: CUDA compute capability >= 8.9 (Ada, Hopper and newer).
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-# How the FP8 matmul runs: "auto" takes torch._scaled_mm on FP8 tensor cores when shapes fit.
+# How the FP8 matmul runs: "auto" takes torch._scaled_mm on FP8 tensor cores when shapes fit;
+# "dequantize" widens the FP8 values (q / scale) and multiplies in float32, as torchao's
+# emulate=True does.
 MATMULS = ("auto", "dequantize", "scaled_mm")
 
 
 class _Fp8Matmul(torch.autograd.Function):
     """y = x W^T + b on 2-D x, with x, W cast to the forward format and dy to the backward format.
 
+    Saved for backward: the FP8 tensors (one byte a value) and their scales, not float32 copies.
     Its output is a fresh tensor, never a view: the caller reshapes it outside, so an in-place
     write into the layer's output (wav2vec2's SpecAugment) is allowed, as after nn.Linear.
     """
@@ -72,11 +65,16 @@ class _Fp8Matmul(torch.autograd.Function):
         w = weight.t() if layer.transposed else weight  # (out, in) either way
         qx, sx = layer.cast(Role.INPUT, x2)
         qw, sw = layer.cast(Role.WEIGHT, w)
-        out = layer.matmul(qx, sx, qw.t(), sw, Role.INPUT, Role.WEIGHT)
+        scaled = layer.scaled_mm_here(qx, qw)
+        if scaled:
+            out = _mm_scaled(qx, sx, qw.t(), sw)
+        else:
+            out = dequantize(qx, sx) @ dequantize(qw, sw).t()
         if bias is not None:
-            out = out + bias.float()
+            out += bias  # a fresh float32 product: the bias widened inside the add
         ctx.save_for_backward(qx, sx, qw, sw)
-        ctx.layer, ctx.dtypes = layer, (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.layer, ctx.scaled = layer, scaled
+        ctx.dtypes = (x2.dtype, weight.dtype, None if bias is None else bias.dtype)
         layer.observe_output(x2, w, bias, out)
         return out.to(out_dtype)
 
@@ -84,14 +82,21 @@ class _Fp8Matmul(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         qx, sx, qw, sw = ctx.saved_tensors
         layer, (x_dtype, w_dtype, b_dtype) = ctx.layer, ctx.dtypes
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         qg, sg = layer.cast(Role.GRAD_OUTPUT, grad)
-        grad_x = layer.matmul(qg, sg, qw, sw, Role.GRAD_OUTPUT, Role.WEIGHT)
-        grad_w = layer.matmul(qg.t(), sg, qx, sx, Role.GRAD_OUTPUT, Role.INPUT)
+        grad_x = grad_w = None
+        if ctx.scaled:
+            grad_x = _mm_scaled(qg, sg, qw, sw) if need_x else None
+            grad_w = _mm_scaled(qg.t(), sg, qx, sx) if need_w else None
+        else:
+            dg = dequantize(qg, sg)  # widened once for both products
+            grad_x = dg @ dequantize(qw, sw) if need_x else None
+            grad_w = dg.t() @ dequantize(qx, sx) if need_w else None
         # The bias gradient is a sum, not a matmul: it uses the unquantized gradient (as TE).
-        grad_b = None if b_dtype is None else grad.float().sum(0).to(b_dtype)
-        if layer.transposed:
-            grad_w = grad_w.t().contiguous()
-        return grad_x.to(x_dtype), grad_w.to(w_dtype), grad_b, None, None
+        grad_b = grad.sum(0, dtype=torch.float32).to(b_dtype) if need_b and b_dtype is not None else None
+        if grad_w is not None:
+            grad_w = (grad_w.t() if layer.transposed else grad_w).to(w_dtype)
+        return (None if grad_x is None else grad_x.to(x_dtype)), grad_w, grad_b, None, None
 
 
 class Fp8Linear(nn.Module):
@@ -172,13 +177,16 @@ class Fp8Linear(nn.Module):
 
     @torch.no_grad()
     def cast(self, role: Role, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize x for `role` with its current scale, then learn the next scale."""
+        """x in FP8 for `role` (a torch float8 tensor) with its scale; then learn the next scale."""
         fmt, r, i = self.format_of(role), self.recipe, int(role)
         amax = tensor_to_amax(x)
         if r.scaling is Scaling.DYNAMIC:
-            self.scale[i] = amax_to_scale(amax, fmt, r.margin)
-        scale = self.scale[i].clone()
-        q = scaled_quantize(x, fmt, scale, saturate=True if r.saturate else None)
+            scale = amax_to_scale(amax, fmt, r.margin)
+            self.scale[i] = scale
+        else:
+            scale = self.scale[i].clone()  # the scale learnt from earlier steps
+        q = scaled_cast(x, fmt, scale, saturate=True if r.saturate else None)
+        # The history keeps a fixed window (TE's amax_history_len): state does not grow.
         self.amax_history[i] = push_amax(self.amax_history[i], amax, self.filled[i])
         self.filled[i] += 1
         if r.scaling is Scaling.DELAYED:
@@ -189,17 +197,12 @@ class Fp8Linear(nn.Module):
             self.observer(self, role, x, scale, q)
         return q, scale
 
-    def matmul(self, qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor,
-               ra: Role, rb: Role) -> torch.Tensor:
-        """a @ b from FP8 values and their scales, by the chosen matmul."""
-        choice = self.matmul_choice
-        if choice == "auto":
-            # cuBLASLt FP8 GEMMs want every dimension a multiple of 16; else dequantize.
-            fits = _scaled_mm_fits(qa.device) and all(d % 16 == 0 for d in (*qa.shape, qb.shape[1]))
-            choice = "scaled_mm" if fits else "dequantize"
-        if choice == "scaled_mm":
-            return _mm_scaled(qa, sa, qb, sb, self.format_of(ra), self.format_of(rb))
-        return _mm_dequantize(qa, sa, qb, sb)
+    def scaled_mm_here(self, qa: torch.Tensor, qb: torch.Tensor) -> bool:
+        """Whether the products run as torch._scaled_mm (FP8 tensor cores) or dequantized."""
+        if self.matmul_choice != "auto":
+            return self.matmul_choice == "scaled_mm"
+        # cuBLASLt FP8 GEMMs want every dimension a multiple of 16; else dequantize.
+        return not fp8_gpu_problem(qa.device) and all(d % 16 == 0 for d in (*qa.shape, qb.shape[0]))
 
     def observe_output(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        out: torch.Tensor) -> None:
