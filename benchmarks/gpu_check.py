@@ -11,7 +11,8 @@ nbval, and no internet. So:
         installs the wheels of what that machine lacks into SITE (--no-index --target), runs
         every test file that touches CUDA in parallel (pytest-xdist), then the GPU benchmarks
         (`python -m benchmarks gpu`, which writes the bench_gpu section of benchmarks/RESULTS.md),
-        and reports in artifacts/gpu-check.md. Without CUDA it says so and exits 0.
+        and reports in artifacts/gpu-check.md (whole outputs in artifacts/gpu-check-*.log).
+        Without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -136,13 +137,20 @@ def _run(cmd: list[str], seconds: int) -> tuple[int | str, str, float]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         code = f"stopped after {seconds} s"
-    return code, "\n".join((out or "").strip().splitlines()[-40:]), time.perf_counter() - t0
+    return code, out or "", time.perf_counter() - t0
+
+
+def digest(out: str, keep: int = 30) -> str:
+    """What a report shows of an output: every FAILED/ERROR line (up to 60), then its last lines."""
+    lines = out.strip().splitlines()
+    bad = [line for line in lines if line.startswith(("FAILED", "ERROR"))][:60]
+    return "\n".join([*bad, *(["..."] if bad else []), *lines[-keep:]])
 
 
 def pytest_command(files: list[str]) -> list[str]:
     """The tests in parallel when pytest-xdist is there (the GPU machine has it)."""
     parallel = ["-n", "auto"] if importlib.util.find_spec("xdist") else []
-    return [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *parallel,
+    return [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *parallel,
             *files]
 
 
@@ -161,15 +169,18 @@ def main(argv: list[str]) -> int:
         return 0
     installed = install() if WHEELS.exists() else f"no {WHEELS.relative_to(ROOT)}: run make gpu-wheels"
     files = cuda_tests()
-    t_code, t_tail, t_sec = _run(pytest_command(files), TESTS_SECONDS)
-    b_code, b_tail, b_sec = _run([sys.executable, "-m", "benchmarks", "gpu"], BENCH_SECONDS)
+    t_code, t_out, t_sec = _run(pytest_command(files), TESTS_SECONDS)
+    b_code, b_out, b_sec = _run([sys.executable, "-m", "benchmarks", "gpu"], BENCH_SECONDS)
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    for name, out in (("tests", t_out), ("bench", b_out)):  # the whole outputs, beside the report
+        REPORT.with_name(f"gpu-check-{name}.log").write_text(out)
+    t_tail, b_tail = digest(t_out), digest(b_out, keep=40)
     report = (f"# gpu-check\n\nDevices: {_cuda_summary()}; torch {torch.__version__}, CUDA "
               f"{torch.version.cuda}; Python {sys.version.split()[0]}\n\nWheels: {installed}\n\n"
               f"## Tests: the {len(files)} files that touch CUDA, in parallel ({t_sec:.0f} s; "
               f"exit {t_code})\n\n{' '.join(files)}\n\n```\n{t_tail}\n```\n\n"
               f"## GPU benchmarks ({b_sec:.0f} s; exit {b_code}; the bench_gpu section of "
               f"benchmarks/RESULTS.md)\n\n```\n{b_tail}\n```\n")
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(report)
     print(report)
     return next((c if isinstance(c, int) else 1 for c in (t_code, b_code) if c != 0), 0)

@@ -108,3 +108,14 @@ def test_the_gpu_benchmarks_compare_work_has_no_autocast_of_its_own():
     with torch.autocast("cpu", dtype=torch.bfloat16), trace_ops() as t:
         step()
     assert "bfloat16" in repr(t)
+
+
+def test_the_report_keeps_every_failure_even_past_many_skips():
+    from benchmarks import gpu_check
+
+    out = "\n".join(["FAILED tests/test_a.py::test_x - boom", *(f"SKIPPED [1] s{i}" for i in range(200)),
+                     "1 failed, 9 passed, 200 skipped in 3.0s"])
+    shown = gpu_check.digest(out)
+    assert shown.splitlines()[0] == "FAILED tests/test_a.py::test_x - boom"
+    assert shown.splitlines()[-1].startswith("1 failed") and len(shown.splitlines()) < 40
+    assert "-rfEs" in gpu_check.pytest_command([])  # failures are listed, not only skips
