@@ -153,8 +153,7 @@ def _watch_row(model: torch.nn.Module, opt: Any, step: Callable[[], None], n: in
             torch.cuda.synchronize()
             return time.perf_counter() - t0
 
-    loop(True)  # warm: the watch's first statistics step
-    plain, watched = [], []
+    plain, watched = [], []  # the best of two rounds each: the first round warms up
     for _ in range(2):
         plain.append(loop(False))
         watched.append(loop(True))

@@ -36,7 +36,7 @@ SITE = ROOT / "artifacts/gpu-site"      # where they are installed there (on PYT
 NEEDED = ("ipython", "ipywidgets", "nbval")  # what the tests import that the machine lacks
 PYTHON, PLATFORMS = "3.12", ("manylinux2014_x86_64", "manylinux_2_28_x86_64")
 # 5 minutes in all: the tests, then the benchmarks (each stopped at its share, and said so).
-TESTS_SECONDS, BENCH_SECONDS = 170, 120
+TESTS_SECONDS, BENCH_SECONDS = 140, 145
 _TARGET = {"python_version": PYTHON, "python_full_version": PYTHON + ".0", "sys_platform": "linux",
            "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
            "implementation_name": "cpython", "platform_python_implementation": "CPython",
