@@ -150,3 +150,10 @@ def test_real_falcon_model_has_every_linear_layer_in_fp8():
     assert not report.skipped and "FalconLinear" not in repr(report)
     ids = torch.randint(0, 64, (2, 8))
     f(ids, labels=ids).loss.backward()
+
+
+def test_lowbit_keeps_a_subclass_with_another_forward_and_counts_it_left_out():
+    model = nn.Sequential(LoraLinear(32), nn.ReLU(), FalconLinear(32, 32))
+    q, report = quantize_model(model, "nf4")
+    assert isinstance(q[0], LoraLinear) and type(q[2]).__name__ == "Linear4bit"
+    assert [e.name for e in report.layers] == ["2"] and dict(report.left_out) == {"LoraLinear": 1}
