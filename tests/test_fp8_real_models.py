@@ -157,3 +157,18 @@ def test_lowbit_keeps_a_subclass_with_another_forward_and_counts_it_left_out():
     q, report = quantize_model(model, "nf4")
     assert isinstance(q[0], LoraLinear) and type(q[2]).__name__ == "Linear4bit"
     assert [e.name for e in report.layers] == ["2"] and dict(report.left_out) == {"LoraLinear": 1}
+
+
+def test_real_wav2vec2_with_spec_augment_trains_after_conversion():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Wav2Vec2Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, mask_time_prob=0.5,
+        mask_time_length=2, do_stable_layer_norm=True, feat_extract_norm="layer")
+    model = transformers.Wav2Vec2ForCTC(cfg).train()  # train(): SpecAugment masks frames in place
+    f, report = convert_to_fp8(model)
+    assert len(report.converted) == len(report.layers) == 8
+    f(torch.randn(2, 800)).logits.sum().backward()
+    assert f.lm_head.weight.grad is not None
