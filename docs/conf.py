@@ -38,6 +38,7 @@ html_static_path = ["_static"]
 html_css_files = ["ampnb.css"]
 html_theme_options = {
     "navigation_with_keys": False,
+    "header_links_before_dropdown": 2,  # the tutorials' long titles fill the bar otherwise
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
     "footer_start": ["copyright"],
