@@ -118,3 +118,17 @@ def test_the_mode_takes_the_real_path_where_transformer_engine_runs(fake_te, mon
         with mode.forward_context("cpu"):
             pass
     assert pt.calls[-1][2] == torch.bfloat16
+
+
+def test_convert_to_fp8_auto_takes_transformer_engine_where_it_runs(fake_te, monkeypatch):
+    from ampnb.fp8 import convert_to_fp8, te
+
+    monkeypatch.setattr(te, "te_status", lambda device="cuda": te.TeStatus(True, "TE on a fake GPU"))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
+    with pytest.warns(UserWarning, match="out_features 5 is not a multiple of 16") as seen:
+        f, report = convert_to_fp8(model, compile=False)
+    assert len(seen) == 1  # one warning, the report's: not TE's as well
+    assert type(f[0]) is FakeTeLinear and type(f[2]) is nn.Linear and type(model[0]) is nn.Linear
+    assert report.backend.name == "te" and report.converted == ("0",)
+    first = repr(report).splitlines()[0]
+    assert first.startswith("FP8 backend: Transformer Engine: auto: ") and "fp8_autocast" in first

@@ -150,11 +150,13 @@ def convert_torchao(model: nn.Module, recipe: Fp8Recipe, emulate: bool) -> nn.Mo
                                       config=torchao_config(recipe, emulate))
 
 
-def is_real_fp8_layer(m: nn.Module) -> str:
+def real_fp8_backend(m: nn.Module) -> str:
     """The backend of a torchao / Transformer Engine FP8 linear layer ('' for any other module)."""
     module = type(m).__module__
     if type(m).__name__ == "Float8Linear" and module.startswith("torchao."):
         return "torchao"
-    if type(m).__name__ == "Linear" and module.startswith("transformer_engine."):
+    # te.Linear and te.LayerNormLinear: Transformer Engine's layers with an FP8 GEMM.
+    if (type(m).__name__.endswith("Linear") and module.startswith("transformer_engine.")
+            and hasattr(m, "in_features")):
         return "te"
     return ""

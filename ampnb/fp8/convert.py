@@ -16,7 +16,7 @@ from ampnb.fp8.backends import (
     Backend,
     choose,
     convert_torchao,
-    is_real_fp8_layer,
+    real_fp8_backend,
     torchao_skip_reason,
 )
 from ampnb.fp8.layernorm import TeLayerNorm, replaceable
@@ -117,7 +117,7 @@ def unsupported_reason(layer: nn.Module) -> str:
 def _report(model: nn.Module, planned: bool) -> Fp8Report:
     layers, taken, weights, seen = [], [], [], set()
     for name, m in model.named_modules():
-        if isinstance(m, Fp8Linear) or (real := is_real_fp8_layer(m)):
+        if isinstance(m, Fp8Linear) or (real := real_fp8_backend(m)):
             kind = "Conv1D" if getattr(m, "transposed", False) else "Linear"
             layers.append(LayerChoice(name, kind, m.in_features, m.out_features, True))
             weights.append(m.weight)
@@ -223,7 +223,9 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
     elif chosen.name == "te":
         from ampnb.fp8.te import convert_to_te  # imports transformer_engine
 
-        target = convert_to_te(target)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the report's warning below names the same layers
+            target = convert_to_te(target)
     else:
         target = _convert(target, r, matmul, enabled)
     report = dataclasses.replace(fp8_report(target), backend=chosen)
