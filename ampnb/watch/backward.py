@@ -7,7 +7,7 @@ demo GPT's step here, past the watch's 1.03x budget), or be pushed after the for
 at the backward, which corrupts the stack when a user's own mode straddles that point. So the
 watch takes autograd's engine call, as ampnb's cell does (`ampnb.step._engine_in`), once for all
 watches: listeners are added and removed in any order, and the last one out puts the call back
-(left as a pass-through only if something installed later still wraps it).
+(left as a pass-through only where something installed later still wraps it).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from ampnb.step import _engine_in, _engine_out
 Listener = Callable[[list[torch.Tensor]], Callable[[], None] | None]
 
 _listeners: dict[int, tuple[int, Listener]] = {}  # key -> (thread whose backwards it sees, fn)
-_installed: list[Any] = []  # [what _engine_out puts back, our call] while installed
+_installed: list[tuple[Any, Any]] = []  # (what _engine_out puts back, our call), oldest first
+_inside = threading.local()  # our call is running in this thread (it may be in the chain twice)
 _next = [0]
 
 
@@ -34,12 +35,17 @@ def _wrap(run: Callable[..., Any], _thread: int) -> Callable[..., Any]:
         __tracebackhide__ = True  # noqa: F841 - the user's frames are what matter
         me = threading.get_ident()
         mine = [fn for thread, fn in list(_listeners.values()) if thread == me]
-        if not mine or not kwargs.get("accumulate_grad", True):  # autograd.grad: no step's
+        if (not mine or getattr(_inside, "on", False)
+                or not kwargs.get("accumulate_grad", True)):  # autograd.grad: no step's
             return run(roots, *args, **kwargs)
         floats = [r.detach() for r in roots
                   if isinstance(r, torch.Tensor) and r.is_floating_point()]
         after = [a for a in (fn(floats) for fn in mine) if a is not None]
-        out = run(roots, *args, **kwargs)
+        _inside.on = True
+        try:
+            out = run(roots, *args, **kwargs)
+        finally:
+            _inside.on = False
         for a in after:
             a()
         return out
@@ -54,16 +60,17 @@ def _current() -> Any:
 def listen(fn: Listener) -> Callable[[], None]:
     """See every backward run in this thread from now on; returns what stops it."""
     key = _next[0] = _next[0] + 1
-    if not _installed:
+    # ours is not the call in effect (none yet, or a context that wrapped it left and put back
+    # what it found before): install it (again; a second copy in the chain passes through)
+    if not _installed or _current() is not _installed[-1][1]:
         previous = _engine_in(_wrap)
-        _installed.extend([previous, _current()])
+        _installed.append((previous, _current()))
     _listeners[key] = (threading.get_ident(), fn)
 
     @critical
     def stop() -> None:
-        if _listeners.pop(key, None) is None or _listeners or not _installed:
+        if _listeners.pop(key, None) is None or _listeners:
             return
-        if _current() is _installed[1]:  # still on top: put back exactly what was there
-            _engine_out(_installed[0])
-            _installed.clear()
+        while _installed and _current() is _installed[-1][1]:  # on top: put back what was
+            _engine_out(_installed.pop()[0])
     return stop

@@ -99,7 +99,8 @@ class Watch:
         return tuple(self._records)
 
     def on_record(self, callback: Callable[[StepRecord], Any]) -> None:
-        """Call callback(record) at the end of every step from now on."""
+        """Call callback(record) for every record from now on, as it is made: at a statistics
+        step's end (with those of the steps before it), at close(), or when records is read."""
         self._callbacks.append(callback)
 
     def log_loss(self, loss: float | torch.Tensor) -> None:
@@ -292,7 +293,10 @@ class Watch:
         if s.stats:
             scaled = isinstance(getattr(optimizer, "grad_scale", None), torch.Tensor)
             s.read_grads(self._modules, self._stats, s.scale if scaled and s.scale else 1.0)
-        if self._scaler is None:
+        if self._scaler is None and (s.stats or self._keeping):
+            # a pass over every gradient: on statistics steps (and to keep an overflow) only;
+            # between them a step is non-finite by its loss (a non-finite update makes the
+            # next step's loss so: seen one step late at worst)
             gs = [p.grad for g in optimizer.param_groups for p in g["params"]
                   if p.grad is not None]
             s.grads_probe = torch.stack([fast_probe(g) for g in gs]).sum() if gs else None
@@ -317,16 +321,8 @@ class Watch:
     def _keep(self, s: StepState) -> None:
         """Save the step (keep_overflow); a failure is a warning, never an error in the loop."""
         self._keeping = False  # once: kept, or failed
-        scaler = s.scaler_state
-        try:
-            self.overflow_file = overflow.save(
-                self.keep_overflow, step=len(self._records) + len(self._ended),
-                inputs=s.inputs, rng=s.rng, entries=s.entries, out_grads=s.out_grads,
-                autocast=s.autocast, model=self._model, optimizer=self._optimizer,
-                scaler=scaler, scale=s.scale, loss=s.loss())
-        except Exception as e:  # noqa: BLE001 - the user's training must go on
-            warnings.warn(f"ampnb.watch could not save the overflowing step to "
-                          f"{overflow.target(self.keep_overflow)}: {e}", stacklevel=3)
+        self.overflow_file = overflow.keep(self.keep_overflow, s, self._model, self._optimizer,
+                                           len(self._records) + len(self._ended))
 
     def _finish(self, skipped: bool) -> None:
         s, self._state, self._token = self._current(), None, None
@@ -347,31 +343,12 @@ class Watch:
             self._make_records()
         self._arm(self._next_is_stats())  # ready for the next step's forward
 
-    def _backward_first(self, s: StepState) -> tuple[int | None, str] | None:
-        """Statistics steps: where a step whose forward was finite went non-finite in backward."""
-        first = s.first_backward()
-        if first is None:
-            first = summary.nonfinite_grads(self._modules, self._stats)
-        return (first, "backward") if first is not None else None
-
     def _make_records(self) -> None:
         """The ended steps' records (their reads happen here), logged and given to callbacks."""
         ended, self._ended = self._ended, []
         for s in ended:
-            s.skipped = s.skipped or s.found_inf is not None and bool(s.found_inf)
-            loss = s.loss()
-            finite = math.isfinite(loss) and (s.grads_probe is None
-                                              or math.isfinite(float(s.grads_probe)))
-            nonfinite = s.skipped or not finite or s.first is not None
-            if nonfinite and s.stats and s.first is None:
-                s.first = self._backward_first(s)
-            first, phase = s.first if s.first is not None else (None, "")
-            record = StepRecord(
-                step=len(self._records), rank=self.rank or 0, micro_batches=s.micro_batches,
-                loss=loss, scale=s.scale, skipped=s.skipped, nonfinite=nonfinite,
-                first_module=self.names[first] if first is not None else "",
-                first_phase=(phase or "backward") if nonfinite and s.stats else "",
-                lost_updates=s.lost, seconds=s.seconds, time=s.time, layers=s.layers)
+            record = summary.step_record(s, len(self._records), self.rank or 0, self.names,
+                                         self._modules, self._stats)
             self._records.append(record)
             if self._log is not None:
                 self._write(record)

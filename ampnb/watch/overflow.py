@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +108,17 @@ def save(path: str | os.PathLike, *, step: int, inputs: list, entries: list[str]
         "loss": loss,
     }, file)
     return file
+
+
+def keep(path: str | os.PathLike, s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+         step: int) -> Path | None:
+    """Save the StepState `s` (see save); a failure is a warning (None), never an error in the
+    user's training."""
+    try:
+        return save(path, step=step, inputs=s.inputs, rng=s.rng, entries=s.entries,
+                    out_grads=s.out_grads, autocast=s.autocast, model=model, optimizer=optimizer,
+                    scaler=s.scaler_state, scale=s.scale, loss=s.loss())
+    except Exception as e:  # noqa: BLE001 - the user's training must go on
+        warnings.warn(f"ampnb.watch could not save the overflowing step to {target(path)}: {e}",
+                      stacklevel=4)
+        return None

@@ -51,7 +51,8 @@ class StepRecord:
     step: int                        # optimizer steps seen by the watch, from 0
     rank: int = 0                    # torch.distributed rank (0 when not distributed)
     micro_batches: int = 0           # backward calls that fed this step
-    loss: float = math.nan           # mean unscaled loss of its micro-batches (nan: not seen)
+    loss: float = math.nan           # sum of the unscaled losses its backwards started from
+                                     # (= the undivided mean when the loop divides; nan: none)
     scale: float | None = None       # the GradScaler's scale its backward ran at (None: no scaler)
     skipped: bool = False            # the GradScaler skipped optimizer.step()
     nonfinite: bool = False          # the loss or a gradient was inf/NaN
@@ -114,7 +115,8 @@ def _records(path: Path) -> Iterator[StepRecord]:
 
 
 def read_log(log_dir: str | Path) -> list[StepRecord]:
-    """Every record under a log_dir (its own file and every rank's), ordered by step then rank."""
+    """Every record under a log_dir (its own file and every rank's), ordered by step then rank;
+    a damaged line is a ValueError naming its file and line (a line still being written is not)."""
     root = Path(log_dir)
     if not root.is_dir():
         raise ValueError(f"log_dir={str(log_dir)!r} is not a directory; allowed: a log_dir "

@@ -8,13 +8,7 @@ import torch
 from torch import nn
 
 from ampnb.watch.hooks import StepState, first_nonfinite
-from ampnb.watch.records import LayerStats
-
-
-def grads_finite(optimizer: torch.optim.Optimizer) -> bool:
-    """Every gradient the optimizer holds is finite."""
-    return first_nonfinite([p.grad for g in optimizer.param_groups for p in g["params"]
-                            if p.grad is not None]) is None
+from ampnb.watch.records import LayerStats, StepRecord
 
 
 def lost_updates(before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:
@@ -56,3 +50,30 @@ def layers(s: StepState, names: list[str], stats: list[int], scale: float | None
                             (flush[k][0] / flush[k][1] if flush[k][1] else 0.0)
                             if i in s.flush else math.nan)
                  for k, i in enumerate(keys))
+
+
+def _backward_first(s: StepState, modules: list[nn.Module], stats: list[int]
+                    ) -> tuple[int | None, str] | None:
+    """Statistics steps: where a step whose forward was finite went non-finite in backward."""
+    first = s.first_backward()
+    if first is None:
+        first = nonfinite_grads(modules, stats)
+    return (first, "backward") if first is not None else None
+
+
+def step_record(s: StepState, step: int, rank: int, names: list[str], modules: list[nn.Module],
+                stats: list[int]) -> StepRecord:
+    """An ended step's record: its device values read here (a statistics step's module named)."""
+    s.skipped = s.skipped or s.found_inf is not None and bool(s.found_inf)
+    loss = s.loss()
+    finite = math.isfinite(loss) and (s.grads_probe is None or math.isfinite(float(s.grads_probe)))
+    nonfinite = s.skipped or not finite or s.first is not None
+    if nonfinite and s.stats and s.first is None:
+        s.first = _backward_first(s, modules, stats)
+    first, phase = s.first if s.first is not None else (None, "")
+    return StepRecord(
+        step=step, rank=rank, micro_batches=s.micro_batches, loss=loss, scale=s.scale,
+        skipped=s.skipped, nonfinite=nonfinite,
+        first_module=names[first] if first is not None else "",
+        first_phase=(phase or "backward") if nonfinite and s.stats else "",
+        lost_updates=s.lost, seconds=s.seconds, time=s.time, layers=s.layers)
