@@ -146,3 +146,14 @@ def test_convert_with_torchao_emulated_reports_its_own_choices():
     f(torch.randn(4, 32)).sum().backward()
     with pytest.raises(ValueError, match="torchao scales dynamically"):
         convert_to_fp8(model, "delayed", backend="torchao", emulate=True)
+
+
+def test_torch_compile_wraps_the_model_when_asked_and_by_default_only_for_real_fp8(monkeypatch):
+    pytest.importorskip("torchao.float8")
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compiled.append(m) or m)
+    convert_to_fp8(mlp(), backend="torchao", emulate=True)  # emulated: not real, not compiled
+    convert_to_fp8(mlp(), backend="ampnb")
+    assert compiled == []
+    f, _ = convert_to_fp8(mlp(), backend="torchao", emulate=True, compile=True)
+    assert compiled == [f]  # as torchao's README: convert, then torch.compile the model
