@@ -142,7 +142,10 @@ class AmpMagics(Magics):
             display(shown)
 
     def _defaults(self) -> dict[str, object]:
-        return {"mode": self.default_mode, "device": self.default_device,
+        device = self.default_device
+        return {"mode": self.default_mode,
+                "device": "auto (where the cell's models and tensors are)" if device == "auto"
+                else f"{device} (stated: the cell's models and tensors must be there)",
                 "tf32": self.default_tf32 or "as is", "repeat": self.default_repeat}
 
     def _cell(self, args: Any, cell: str) -> Any:
