@@ -115,7 +115,7 @@ def _shown_classes(html: str) -> set[str]:
 
 # How far each output reaches past what holds it: > 0 means wider than its column (or clipped).
 OVERFLOW_JS = """() => {
-  const article = document.querySelector('.bd-article');
+  const article = document.querySelector('.bd-article, div.body, main') || document.body;
   const edge = article.getBoundingClientRect().right;
   const found = [];
   const wide = ['.cell_output', '.cell_input', 'pre', 'table', 'img', '.widget-subarea'];
