@@ -47,3 +47,14 @@ html_theme_options = {
 # The pages are listed in the top bar; no left sidebar, so the article gets the width.
 html_sidebars: dict[str, list[str]] = {"**": []}
 copyright = "the ampnb developers; MIT licence"  # noqa: A001 - Sphinx's own setting name
+
+
+def _drop_nbval_markers(app: object, docname: str, source: list[str]) -> None:
+    """The `# NBVAL_CHECK_OUTPUT` lines tell nbval which outputs to compare; readers need not see them."""
+    if docname.startswith("notebooks/"):
+        source[0] = source[0].replace('"# NBVAL_CHECK_OUTPUT\\n",', "").replace(
+            '"# NBVAL_CHECK_OUTPUT\\n"', '""')
+
+
+def setup(app: object) -> None:
+    app.connect("source-read", _drop_nbval_markers)
