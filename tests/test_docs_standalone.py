@@ -1,5 +1,5 @@
 """The repository's docs stand on their own: nothing sends a reader outside the repository
-(`../shared/...` of a development workspace), and CONTRIBUTING's links resolve in it."""
+(to a development workspace's shared folder), and CONTRIBUTING's links resolve in it."""
 
 from __future__ import annotations
 
