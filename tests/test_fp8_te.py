@@ -121,9 +121,10 @@ def test_the_mode_takes_the_real_path_where_transformer_engine_runs(fake_te, mon
 
 
 def test_convert_to_fp8_auto_takes_transformer_engine_where_it_runs(fake_te, monkeypatch):
-    from ampnb.fp8 import convert_to_fp8, te
+    from ampnb.fp8 import backends, convert_to_fp8
 
-    monkeypatch.setattr(te, "te_status", lambda device="cuda": te.TeStatus(True, "TE on a fake GPU"))
+    monkeypatch.setattr(backends, "te_status",
+                        lambda device="cuda": backends.TeStatus(True, "TE on a fake GPU"))
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))
     with pytest.warns(UserWarning, match="out_features 5 is not a multiple of 16") as seen:
         f, report = convert_to_fp8(model, compile=False)

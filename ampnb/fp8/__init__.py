@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "Fp8Stats": "ampnb.fp8.stats",
     "fp8_autocast": "ampnb.fp8.autocast",
     "fp8_active": "ampnb.fp8.autocast",
-    "te_status": "ampnb.fp8.te",
+    "te_status": "ampnb.fp8.backends",
     # Low-bit weight formats live in ampnb.lowbit; these names stay reachable from here.
     "LOWBIT_FORMATS": "ampnb.lowbit.formats",
     "get_lowbit": "ampnb.lowbit.formats",

@@ -54,6 +54,24 @@ def fp8_gpu_problem(device: torch.device) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class TeStatus:
+    """Whether Transformer Engine FP8 can run on a device, and why not."""
+
+    ok: bool
+    reason: str
+
+
+def te_status(device: str | torch.device = "cuda") -> TeStatus:
+    """Check the device and the package without importing Transformer Engine."""
+    dev = torch.device(device)
+    if why := fp8_gpu_problem(dev):
+        return TeStatus(False, f"real FP8 {why}")
+    if importlib.util.find_spec("transformer_engine") is None:
+        return TeStatus(False, "transformer_engine is not installed")
+    return TeStatus(True, f"Transformer Engine on {torch.cuda.get_device_name(dev)}")
+
+
 def torchao_recipe_problem(recipe: Fp8Recipe) -> str:
     """Why torchao's float8 training cannot run this recipe ('' when it can)."""
     if recipe.scaling is not Scaling.DYNAMIC:
@@ -70,8 +88,6 @@ def status(name: str, device: torch.device, recipe: Fp8Recipe | None,
     if name == "ampnb":
         return ""
     if name == "te":
-        from ampnb.fp8.te import te_status
-
         found = te_status(device)
         return "" if found.ok else found.reason
     if importlib.util.find_spec("torchao") is None:

@@ -21,7 +21,9 @@ from ampnb.fp8.backends import (
 )
 from ampnb.fp8.layernorm import TeLayerNorm, replaceable
 from ampnb.fp8.layernorm import unsupported_reason as ln_unsupported
-from ampnb.fp8.layers import (
+from ampnb.fp8.layers import (  # noqa: F401 - ALIGN_IN/OUT: read from here too
+    ALIGN_IN,
+    ALIGN_OUT,
     CONVERTIBLE,
     ParameterShare,
     describe_left_out,
@@ -30,13 +32,10 @@ from ampnb.fp8.layers import (
     not_convertible,
     parameter_share,
     swap_children,
+    unsupported_reason,
 )
 from ampnb.fp8.linear import MATMULS, Fp8Linear
 from ampnb.fp8.recipe import RECIPES, Fp8Recipe, from_recipe_name
-
-# FP8 GEMMs need aligned shapes; Lightning's Transformer Engine plugin skips Linear layers
-# whose in_features is not a multiple of 8 or out_features not a multiple of 16.
-ALIGN_IN, ALIGN_OUT = 8, 16
 
 
 @dataclass(frozen=True)
@@ -101,17 +100,6 @@ class Fp8Report(TableView):
         return Table(("layer", "type", "in→out", "precision", "why not FP8"), rows,
                      caption=self.headline,
                      notes=notes)
-
-
-def unsupported_reason(layer: nn.Module) -> str:
-    """Why an FP8 GEMM cannot take this layer's shape ('' when it can)."""
-    n_in, n_out = kind_of(layer).features(layer)
-    bad = []
-    if n_in % ALIGN_IN:
-        bad.append(f"in_features {n_in} is not a multiple of {ALIGN_IN}")
-    if n_out % ALIGN_OUT:
-        bad.append(f"out_features {n_out} is not a multiple of {ALIGN_OUT}")
-    return " and ".join(bad)
 
 
 def _report(model: nn.Module, planned: bool) -> Fp8Report:

@@ -94,6 +94,22 @@ def kind_of(m: nn.Module) -> LayerKind | None:
     return next((k for k in CONVERTIBLE.values() if k.matches(m)), None)
 
 
+# FP8 GEMMs need aligned shapes; Lightning's Transformer Engine plugin skips Linear layers
+# whose in_features is not a multiple of 8 or out_features not a multiple of 16.
+ALIGN_IN, ALIGN_OUT = 8, 16
+
+
+def unsupported_reason(layer: nn.Module) -> str:
+    """Why an FP8 GEMM cannot take this layer's shape ('' when it can)."""
+    n_in, n_out = kind_of(layer).features(layer)
+    bad = []
+    if n_in % ALIGN_IN:
+        bad.append(f"in_features {n_in} is not a multiple of {ALIGN_IN}")
+    if n_out % ALIGN_OUT:
+        bad.append(f"out_features {n_out} is not a multiple of {ALIGN_OUT}")
+    return " and ".join(bad)
+
+
 def left_out(model: nn.Module, taken: Iterable[nn.Module]) -> tuple[tuple[str, int], ...]:
     """Modules holding parameters of their own that were not taken, counted by type name."""
     skip = set(map(id, taken))

@@ -7,37 +7,18 @@ imports and such a GPU exists; ampnb's CI has neither, so this path is untested 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ampnb.fp8.autocast import autocast_guard, default_dtype_guard
-from ampnb.fp8.backends import MIN_CAPABILITY, fp8_gpu_problem  # noqa: F401 - MIN_CAPABILITY: its old home
-from ampnb.fp8.convert import unsupported_reason
-from ampnb.fp8.layers import kind_of, swap_children
+
+# The status lives with the other backends' (no import cycle); these names stay reachable here.
+from ampnb.fp8.backends import MIN_CAPABILITY, TeStatus, te_status  # noqa: F401
+from ampnb.fp8.layers import kind_of, swap_children, unsupported_reason
 from ampnb.fp8.recipe import Fp8Recipe, Scaling, from_recipe_name
-
-
-@dataclass(frozen=True)
-class TeStatus:
-    """Whether Transformer Engine FP8 can run on a device, and why not."""
-
-    ok: bool
-    reason: str
-
-
-def te_status(device: str | torch.device = "cuda") -> TeStatus:
-    """Check the device and the package without importing Transformer Engine."""
-    dev = torch.device(device)
-    if why := fp8_gpu_problem(dev):
-        return TeStatus(False, f"real FP8 {why}")
-    if importlib.util.find_spec("transformer_engine") is None:
-        return TeStatus(False, "transformer_engine is not installed")
-    return TeStatus(True, f"Transformer Engine on {torch.cuda.get_device_name(dev)}")
 
 
 def to_te_recipe(recipe: Fp8Recipe | str | None = None) -> Any:
