@@ -93,9 +93,11 @@ class _Fp8Matmul(torch.autograd.Function):
             grad_x = dg @ dequantize(qw, sw) if need_x else None
             grad_w = dg.t() @ dequantize(qx, sx) if need_w else None
         # The bias gradient is a sum, not a matmul: it uses the unquantized gradient (as TE).
-        grad_b = grad.sum(0, dtype=torch.float32).to(b_dtype) if need_b and b_dtype is not None else None
+        grad_b = None
+        if need_b and b_dtype is not None:
+            grad_b = grad.sum(0, dtype=torch.float32).to(b_dtype)
         if grad_w is not None:
-            grad_w = (grad_w.t() if layer.transposed else grad_w).to(w_dtype)
+            grad_w = (grad_w.t().contiguous() if layer.transposed else grad_w).to(w_dtype)
         return (None if grad_x is None else grad_x.to(x_dtype)), grad_w, grad_b, None, None
 
 
