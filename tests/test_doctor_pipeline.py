@@ -119,14 +119,25 @@ def test_islands_over_the_cap_are_grouped_under_their_parents():
     assert fixed[0].finite
 
 
-def test_a_stated_device_that_is_not_the_models_is_an_error_naming_both(monkeypatch):
-    import ampnb.diagnosis.core as core
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """This CPU machine as a GPU machine looks to ampnb: CUDA available, a cuda:0 listed."""
+    from ampnb.device import hardware
 
-    real = core.get_device
-    monkeypatch.setattr(core, "get_device", lambda d: real("cpu") if str(d) == "cpu" else
-                        type("Dev", (), {"name": str(d)})())
-    with pytest.raises(ValueError, match=r"device='cuda'.*parameters are on cpu.*'cpu'"):
-        ampnb.doctor(Plain(), data(), CE, device="cuda", **QUIET)
+    cpu = hardware._devices()[0]
+    fake = hardware.DeviceInfo("cuda:0", "cuda", "simulated GPU", (9, 0))
+    monkeypatch.setattr(hardware, "_devices", lambda: (cpu, fake))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="simulates CUDA on a CPU machine")
+def test_the_doctor_runs_where_the_model_is_and_a_stated_device_must_agree(gpu_machine):
+    model = Plain()
+    r = ampnb.doctor(model, data(), CE, modes=("32-true", "bf16-mixed"), **QUIET)
+    assert r.device == "cpu" and r.verdict.startswith("On cpu (where the model's parameters are)")
+    with pytest.raises(ValueError, match=r"device=cuda but the model's parameters are on cpu"):
+        ampnb.doctor(model, data(), CE, device="cuda", **QUIET)
 
 
 def test_a_mode_that_fails_is_named_with_its_error_and_the_others_still_run():

@@ -15,7 +15,7 @@ from torch import nn
 
 from ampnb._interrupt import Guard
 from ampnb.batch import as_batch
-from ampnb.device import get_device
+from ampnb.device import place
 from ampnb.diagnosis.arguments import check_model, check_options
 from ampnb.diagnosis.budget import Budget, Clock
 from ampnb.diagnosis.memory_cap import MemoryCap
@@ -96,7 +96,8 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     if not isinstance(o.train, bool):
         raise ValueError(f"train={o.train!r} is not allowed; allowed: True (a training step) or "
                          "False (inference: one forward)")
-    dev = _device(model, o.device)
+    where = place([("the model's parameters", model)], o.device)
+    dev = where.device
     p = plan(o.modes, dev)  # bad mode names are refused before any work
     cap = MemoryCap(dev)  # before the doctor's own copies: the peak of the user's training
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
@@ -109,13 +110,5 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
         # putting the user's state back costs about what setting it aside did (not the probing)
         clock.reserve = time.perf_counter() - aside
         settings = Settings(tol, o.repeat, o.profile, o.train, o.batches, o.scheduler, say)
-        return diagnose(setup, p, settings, clock)
+        return diagnose(setup, p, settings, clock, where.why)
 
-
-def _device(model: nn.Module, stated: Any) -> str:
-    """The device the model's parameters are on; a stated device must be that one."""
-    found = get_device(next(model.parameters()).device).name
-    if stated is not None and get_device(stated).name != found:
-        raise ValueError(f"device={str(stated)!r} is not allowed: the model's parameters are on "
-                         f"{found}; allowed: {found!r} (where the model is) or None")
-    return found

@@ -7,6 +7,7 @@ this machine runs natively or slowly, as plain steps); the budget can cut only w
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,7 +140,8 @@ def report(setup: Setup, p: Plan, head: Headline, found: list[ModeRow], isl: Isl
                         clock.summary(), checks.checks, noise=head.noise)
 
 
-def diagnose(setup: Setup, p: Plan, s: Settings, clock: Clock) -> DoctorReport:
+def diagnose(setup: Setup, p: Plan, s: Settings, clock: Clock,
+             why: str = "where the model's parameters are") -> DoctorReport:
     """The stages after the plan, in order."""
     with expected(setup.batch, type(setup.model).__name__, setup.step is not None):
         head = headline(setup, p.reference, p.headline, clock, s.repeat, s.say)
@@ -152,4 +154,5 @@ def diagnose(setup: Setup, p: Plan, s: Settings, clock: Clock) -> DoctorReport:
     checks = checks_stage(setup, p, found + list(isl.rows), s, clock)
     more = details(setup, p, head, isl, s, clock)
     found = rows(p, head, more.runs)
-    return report(setup, p, head, found, isl, checks, more, s, clock)
+    return dataclasses.replace(report(setup, p, head, found, isl, checks, more, s, clock),
+                               device_why=why)

@@ -52,6 +52,7 @@ class DoctorReport:
     budget: str = ""                 # the budget, what was spent, and the order of the work
     checks: dict[str, Any] = field(default_factory=dict)  # true mode -> its multi-step TrainCheck
     noise: float | None = None       # 32-true's step-to-step variation, measured in this run
+    device_why: str = "where the model's parameters are"  # why the doctor ran on `device`
 
     def mode(self, name: str, keep: tuple[str, ...] = ()) -> ModeRow:
         """The row of a candidate (with given islands)."""
@@ -73,8 +74,7 @@ class DoctorReport:
     @property
     def verdict(self) -> str:
         """The recommendation and its reasons, then the low-precision choice for elsewhere."""
-        lines = [f"On {self.device} (where the model's parameters are): use "
-                 f"{self.recommended.headline}"]
+        lines = [f"On {self.device} ({self.device_why}): use {self.recommended.headline}"]
         lines += [f"- {r}" for r in self.recommended.reasons]
         if self.threads is not None:
             lines.append(f"- {self.timing}")
