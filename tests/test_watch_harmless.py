@@ -5,6 +5,7 @@ statistics steps, and `record.loss` the loss the loop computed (#33, #32)."""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -266,3 +267,29 @@ def test_a_compiled_model_or_block_is_refused_in_one_line(how):
         ampnb.watch(target, opt)
     assert "\n" not in str(e.value) and "compiled" in str(e.value)
     assert not any(x._forward_pre_hooks for x in m.modules())
+
+
+def test_a_skip_from_parameter_gradients_is_named_though_zero_grad_cleared_them():
+    """A backward overflow in the layers' weight gradients: a statistics step names the module
+    from the gradients as its backward left them (before the loop's zero_grad clears them): the
+    last in forward order whose own gradients the loop itself finds non-finite."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    with torch.no_grad():
+        m[0].weight.mul_(1e-3)  # huge inputs, ordinary activations: only m[0]'s weight
+    opt, sc = torch.optim.SGD(m.parameters(), lr=1e-3), torch.amp.GradScaler("cpu")
+    x = torch.randn(8, 16) * 1e3  # gradient, x^T g, overflows (and x needs no gradient)
+    bad = []
+    with ampnb.watch(m, opt, sc) as w:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(x).float().pow(2).mean()
+            sc.scale(loss).backward()
+            bad.append([n for n, mod in m.named_children()
+                        if not all(torch.isfinite(p.grad).all() for p in mod.parameters())])
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad(set_to_none=True)
+    first = w.records[0]
+    assert first.skipped and math.isfinite(first.loss) and bad[0] == ["0"]
+    assert (first.first_module, first.first_phase) == (bad[0][-1], "backward")

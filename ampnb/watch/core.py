@@ -281,6 +281,8 @@ class Watch:
         def after() -> None:
             s.after_backward(roots)
             self._token = self._grads()
+            if s.stats and s.first is None and s.grads_first is None:
+                s.grads_first = summary.grads_module(self._modules, self._stats)
         return after
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -148,6 +148,7 @@ class StepState:
         self.divisor = 1.0
         self.grads_read = False
         self.found_inf: torch.Tensor | None = None    # a fused step's, from its GradScaler
+        self.grads_first: int | None = None  # stats steps: first module with non-finite grads
         self.grads_probe: torch.Tensor | None = None  # no scaler: finite iff every grad was
         self.skipped = False
         self.inputs: list[tuple[tuple, dict]] = []        # keep_overflow: this step's batches

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ampnb.watch.hooks import StepState, first_nonfinite
+from ampnb.watch.hooks import StepState, fast_probe, finite, first_nonfinite
 from ampnb.watch.records import LayerStats, StepRecord
 
 
@@ -52,12 +52,22 @@ def layers(s: StepState, names: list[str], stats: list[int], scale: float | None
                  for k, i in enumerate(keys))
 
 
+def grads_module(modules: list[nn.Module], stats: list[int]) -> int | None:
+    """`nonfinite_grads`, after one read that says whether any gradient is non-finite at all
+    (statistics steps, at each backward's end: a skipped step's are gone by its end)."""
+    gs = [p.grad for i in stats for p in modules[i].parameters(recurse=False)
+          if p.grad is not None]
+    if not gs or all(finite([torch.stack([fast_probe(g) for g in gs]).sum()])):
+        return None
+    return nonfinite_grads(modules, stats)
+
+
 def _backward_first(s: StepState, modules: list[nn.Module], stats: list[int]
                     ) -> tuple[int | None, str] | None:
     """Statistics steps: where a step whose forward was finite went non-finite in backward."""
     first = s.first_backward()
     if first is None:
-        first = nonfinite_grads(modules, stats)
+        first = s.grads_first if s.grads_first is not None else nonfinite_grads(modules, stats)
     return (first, "backward") if first is not None else None
 
 
