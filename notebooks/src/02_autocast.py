@@ -9,7 +9,9 @@
 # 2. autocast is a region of code, not a property of the model — what happens outside `forward`,
 # 3. turning autocast off for a numerically sensitive region,
 # 4. *true* modes vs *mixed* modes, and creating a model directly in low precision,
-# 5. TF32: fp32 matmuls with a 10-bit mantissa, emulated here on any machine.
+# 5. TF32: fp32 matmuls with a 10-bit mantissa, emulated here on any machine,
+# 6. fp16 on a CPU as tensor cores compute it, and an 8M-parameter model whose layers overflow
+#    fp16, drawn layer by layer against fp16's range.
 #
 # Prerequisites: 00 (quickstart); 01 (number formats) helps. About 20 minutes.
 # Everything runs on the CPU; the op lists below are **CPU autocast's** — on a GPU they differ (for
