@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "PrecisionMode": "ampnb.modes",
     "MODES": "ampnb.modes",
     "get_mode": "ampnb.modes",
+    "Precision": "ampnb.precision",
     "explain_precision": "ampnb.legacy",
     "TransformerEnginePrecision": "ampnb.modes",
     "devices": "ampnb.device",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,11 +17,9 @@ from ampnb.diagnosis.islands_stage import Islands, formats_of, instrumented_cost
 from ampnb.diagnosis.layers import LayerRow, layer_rows
 from ampnb.diagnosis.memory_cap import MemoryCap
 from ampnb.diagnosis.profile import Profile, profile_run
+from ampnb.diagnosis.records import Plan, Settings
 from ampnb.diagnosis.run import Setup, StepResult, hunt, measure
 from ampnb.modes import get_mode
-
-if TYPE_CHECKING:
-    from ampnb.diagnosis.pipeline import Plan, Settings
 
 
 @dataclass(frozen=True, eq=False)

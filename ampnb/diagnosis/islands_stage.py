@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ampnb.diagnosis.budget import Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate
@@ -15,11 +15,9 @@ from ampnb.diagnosis.evidence import ModeRow, acceptable, mode_row
 from ampnb.diagnosis.headline import Headline
 from ampnb.diagnosis.layers import layer_rows
 from ampnb.diagnosis.recommend import ISLAND_MODES, IslandRow, islands
+from ampnb.diagnosis.records import Plan, Settings
 from ampnb.diagnosis.run import Setup, StepResult, local_errors, measure, time_steps
 from ampnb.formats import get_format
-
-if TYPE_CHECKING:
-    from ampnb.diagnosis.pipeline import Plan, Settings
 
 MAX_RERUNS_SAID = 2  # fewer island reruns than this left: the search is listed as not fitting
 

@@ -8,21 +8,20 @@ this machine runs natively or slowly, as plain steps); the budget can cut only w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ampnb.diagnosis.budget import Clock
-from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidates
+from ampnb.diagnosis.candidates import REFERENCE, candidates
 from ampnb.diagnosis.code import code
 from ampnb.diagnosis.details import Details, details
 from ampnb.diagnosis.evidence import ModeRow, acceptable, mode_row
 from ampnb.diagnosis.failures import expected
 from ampnb.diagnosis.headline import Headline, headline, later_steps
 from ampnb.diagnosis.islands_stage import Islands, islands_stage
-from ampnb.diagnosis.recommend import Tolerance, choose
+from ampnb.diagnosis.recommend import choose
+from ampnb.diagnosis.records import Checks, Plan, Settings
 from ampnb.diagnosis.report import DoctorReport
 from ampnb.diagnosis.run import Setup, hunt, keeps_model
 from ampnb.diagnosis.training import (
@@ -32,37 +31,6 @@ from ampnb.diagnosis.training import (
     reference_check,
     train_check,
 )
-
-
-@dataclass(frozen=True, eq=False)
-class Plan:
-    """The candidates stage: the reference, the modes timed in the headline (native or slow),
-    the emulated ones (accuracy only: their speed here says nothing), and those that cannot run."""
-
-    reference: Candidate
-    headline: tuple[Candidate, ...]
-    emulated: tuple[Candidate, ...]
-    skipped: tuple[str, ...]
-
-
-@dataclass(frozen=True, eq=False)
-class Settings:
-    """The run's options the stages read (keyword-only, as the user passed them)."""
-
-    tol: Tolerance
-    repeat: int = 3
-    profile: bool = True
-    train: bool = True
-    batches: Any = None
-    scheduler: Any = None
-    say: Callable[[str], None] = print
-
-
-@dataclass(frozen=True, eq=False)
-class Checks:
-    """The training (or inference) checks stage: per mode, its check."""
-
-    checks: dict[str, Any] = field(default_factory=dict)
 
 
 def plan(modes: Any, device: str) -> Plan:
