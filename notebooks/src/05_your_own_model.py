@@ -195,17 +195,19 @@ why
 # ## 5. A bigger model: the budget and the memory
 #
 # On a real model every step costs, so the doctor works to a **budget**: by default 15 plain
-# training steps of time (`budget=` also takes seconds, `"40 steps"`, or `math.inf`). It runs the
-# work in a fixed order — the 32-true reference (and two plain steps, the budget's unit), the
-# mixed modes, their timing, fp32 islands, the true modes with their multi-step check, the fp64
-# check, profiles — plans to end by nine tenths of a budget in steps (the unit is itself measured), and
-# lists what did not fit. A true mode (`bf16-true`, `16-true`) is never
-# recommended for training without its multi-step check: one step cannot show the updates that a
-# bf16 weight loses at every step.
+# training steps of time (`budget=` also takes seconds, `"40 steps"`, or `math.inf`). It answers
+# the question first: the **headline** runs every mode this machine runs natively or slowly as
+# plain steps (errors from each mode's first step, speeds from steps timed round-robin), and the
+# budget cannot drop it. Then, as the budget allows: the emulated modes' accuracy, fp32 islands,
+# the true modes with their multi-step check, per-layer errors, the fp64 check, profiles; what did
+# not fit is listed. Costs are measured here (each mode's forward on a slice of the batch before
+# its first step), never assumed. A true mode (`bf16-true`, `16-true`) is never recommended for
+# training without its multi-step check: one step cannot show the updates that a bf16 weight
+# loses at every step.
 #
-# It also works in little memory: your weights and optimizer state wait on disk, one working copy
-# runs at a time, and each module's output is compared with the fp32 one as it streams past
-# (figures kept, tensors dropped). Here a GPT of about ten million parameters (ampnb's demo,
+# It also works in little memory: your weights and optimizer state wait on disk, the modes that
+# keep fp32 weights share one working copy, and each module's output is compared with the fp32 one
+# as it streams past (figures kept, tensors dropped). Here a GPT of about ten million parameters (ampnb's demo,
 # made wider and deeper); the kernel's peak memory (`ru_maxrss`) is read after a few plain training
 # steps and again after the doctor.
 
@@ -259,7 +261,7 @@ from ampnb.models import demo  # noqa: E402
 
 d = demo("cnn")
 mine = ampnb.doctor(d.model, d.batches[0], d.loss_fn, modes=("32-true", "bf16-mixed"),
-                    repeat=1, profile=False)
+                    repeat=1, profile=False, budget=30)  # room for the per-layer details
 mine
 
 # %% jupyter={"source_hidden": true} tags=["solution"]
