@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import runpy
 import subprocess
 from pathlib import Path
 
@@ -51,3 +52,15 @@ def test_contributing_starts_from_the_design_in_the_repository():
 def test_the_design_page_is_on_the_site():
     index = (ROOT / "docs" / "index.md").read_text()
     assert re.search(r"^design$", index, re.M), "docs/index.md's toctree lists no design page"
+
+
+def test_the_site_says_how_to_install_and_start_and_its_footer_reads():
+    index = (ROOT / "docs" / "index.md").read_text()
+    assert re.search(r"^start$", index, re.M), "docs/index.md's toctree lists no start page"
+    start = (ROOT / "docs" / "start.md").read_text()
+    for command in ("pip install", "make lab", "make binder-url", "%load_ext ampnb"):
+        assert command in start, command
+    conf = runpy.run_path(str(ROOT / "docs" / "conf.py"))
+    assert conf["copyright"].strip(), "an empty copyright makes the footer read '©. |'"
+    assert not any("://" in src for src in conf["nb_ipywidgets_js"]), "widget manager from a CDN"
+    assert (ROOT / "docs" / "_static" / next(iter(conf["nb_ipywidgets_js"]))).exists()
