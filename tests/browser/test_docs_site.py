@@ -46,7 +46,8 @@ def _panel_notebooks() -> list[str]:
 
 def _sources() -> list[Path]:
     """What a built site depends on besides the package: a site older than any is stale."""
-    return [*(ROOT / "docs").rglob("*"), *(ROOT / "notebooks").glob("*.ipynb")]
+    found = [*(ROOT / "docs").rglob("*"), *(ROOT / "notebooks").glob("*.ipynb")]
+    return [p for p in found if "__pycache__" not in p.parts]  # importing check_site writes one
 
 
 def _current(site: Path) -> bool:
