@@ -19,3 +19,18 @@ def _doctor_budget_floor() -> Iterator[None]:
     budget.MIN_SECONDS = 60.0
     yield
     budget.MIN_SECONDS = floor
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This CPU machine as a GPU machine looks to ampnb: CUDA available, a cuda:0 listed (the
+    tensors stay on the CPU: the code that chooses the device sees a GPU machine)."""
+    import torch
+
+    from ampnb.device import hardware
+
+    cpu = hardware._devices()[0]
+    fake = hardware.DeviceInfo("cuda:0", "cuda", "simulated GPU", (9, 0))
+    monkeypatch.setattr(hardware, "_devices", lambda: (cpu, fake))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

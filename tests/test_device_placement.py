@@ -14,23 +14,13 @@ from IPython.core.error import UsageError
 
 from ampnb import _state
 from ampnb.comparison import compare
-from ampnb.device import hardware, place
+from ampnb.device import place
 from ampnb.instruments.memory import memory_report
 from ampnb.workbench import Workbench
 from tests._magics_kit import amp, shell_with_ampnb, shown
 
 ip = pytest.fixture(shell_with_ampnb)
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="simulates CUDA on a CPU machine")
-
-
-@pytest.fixture
-def gpu_machine(monkeypatch):
-    """This machine as a GPU machine would look to ampnb: CUDA available, a cuda:0 listed."""
-    cpu = hardware._devices()[0]
-    fake = hardware.DeviceInfo("cuda:0", "cuda", "simulated GPU", (9, 0))
-    monkeypatch.setattr(hardware, "_devices", lambda: (cpu, fake))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
 def test_a_cpu_model_on_a_gpu_machine_is_lowered_and_the_caption_says_why(ip, gpu_machine):

@@ -119,18 +119,6 @@ def test_islands_over_the_cap_are_grouped_under_their_parents():
     assert fixed[0].finite
 
 
-@pytest.fixture
-def gpu_machine(monkeypatch):
-    """This CPU machine as a GPU machine looks to ampnb: CUDA available, a cuda:0 listed."""
-    from ampnb.device import hardware
-
-    cpu = hardware._devices()[0]
-    fake = hardware.DeviceInfo("cuda:0", "cuda", "simulated GPU", (9, 0))
-    monkeypatch.setattr(hardware, "_devices", lambda: (cpu, fake))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="simulates CUDA on a CPU machine")
 def test_the_doctor_runs_where_the_model_is_and_a_stated_device_must_agree(gpu_machine):
     model = Plain()

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 import ampnb
-from ampnb.device import hardware
 
 
 def _model() -> nn.Module:
@@ -58,12 +57,7 @@ def test_the_device_is_the_models_and_the_scaler_the_modes():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="simulates CUDA on a CPU machine")
-def test_on_a_gpu_machine_a_cpu_model_binds_the_cpu_and_cuda_is_refused(monkeypatch):
-    cpu = hardware._devices()[0]
-    fake = hardware.DeviceInfo("cuda:0", "cuda", "simulated GPU", (9, 0))
-    monkeypatch.setattr(hardware, "_devices", lambda: (cpu, fake))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+def test_on_a_gpu_machine_a_cpu_model_binds_the_cpu_and_cuda_is_refused(gpu_machine):
     model = _model()
     p = ampnb.Precision.of("bf16-mixed", model=model)
     assert p.device == "cpu"
