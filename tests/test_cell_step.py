@@ -219,3 +219,38 @@ def test_a_loop_reusing_a_weight_matches_the_recipe_bit_for_bit(ip):
         assert torch.equal(p, q)
     for name in ("two", "xs"):
         ip.user_ns.pop(name, None)
+
+
+def test_deberta_v2_attention_trains_as_the_recipe_bit_for_bit(ip):
+    """DeBERTa-v2 applies query_proj/key_proj to its relative embeddings too: weights used twice."""
+    pytest.importorskip("transformers")
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    cfg = DebertaV2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, intermediate_size=64, max_position_embeddings=32,
+                          relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
+                          max_relative_positions=16, share_att_key=True, num_labels=2,
+                          hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    net = DebertaV2ForSequenceClassification(cfg)
+    ref = copy.deepcopy(net)
+    ids, labels = torch.randint(0, 64, (4, 16)), torch.randint(0, 2, (4,))
+    ip.user_ns.update(deb=net, ids=ids, labels=labels)
+    cell = ("opt = torch.optim.SGD(deb.parameters(), lr=0.1)\n"
+            "for _ in range(3):\n"
+            "    opt.zero_grad()\n"
+            "    deb(input_ids=ids, labels=labels).loss.backward()\n"
+            "    opt.step()\n")
+    amp(ip, "bf16-mixed", cell)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ref(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for name in ("deb", "ids", "labels"):
+        ip.user_ns.pop(name, None)
