@@ -1,4 +1,4 @@
-"""The README's find_nonfinite rows say what find_nonfinite prints on the README's own GPT-2, and
+"""The README's "Your own model" rows say what ampnb prints on the README's own GPT-2, and
 an overflow that `tanh` absorbs by accident is not called deliberate."""
 
 from __future__ import annotations
@@ -67,3 +67,19 @@ def test_an_overflow_tanh_absorbs_is_discarded_and_not_called_deliberate():
     assert "purpose" not in report.message and "deliberate" not in report.message.lower()
     assert "1 op made inf/NaN that was discarded before the end (a later op masked or absorbed" \
         in report.message
+
+
+def test_the_quantize_model_row_is_what_its_report_says():
+    pytest.importorskip("transformers")
+    from ampnb import lowbit
+
+    space: dict = {}
+    exec(_setup_code(), space)  # noqa: S102 - the README's own code
+    model = space["model"]
+    (line,) = [ln for ln in README.splitlines() if ln.startswith("| `q, report = lowbit.quantize")]
+    call = re.search(r"`([^`]*)`", line).group(1)
+    assert call == 'q, report = lowbit.quantize_model(model, "nf4")'
+    q, report = lowbit.quantize_model(model, "nf4")
+    assert q is not model  # a copy unless inplace=True, as the row says
+    quoted = re.findall(r"`([^`]*)`", line.split("|")[2])[-1]
+    assert _pattern(quoted).search(repr(report)), (quoted, repr(report))
