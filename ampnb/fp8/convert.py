@@ -57,13 +57,15 @@ class Fp8Report(TableView):
     layers: tuple[LayerChoice, ...]
     left_out: tuple[tuple[str, int], ...] = ()  # other modules with parameters, by type
     params: ParameterShare = ParameterShare()  # the FP8 layers' weights among all parameters
-    backend: Backend = Backend("ampnb", "read off the model's layers")
+    backend: Backend | None = None  # convert_to_fp8's: which backend converted, and why
 
     def __repr__(self) -> str:
-        return f"{self.backend.line()}\n{self.table()!r}"  # which backend first, then the layers
+        first = f"{self.backend.line()}\n" if self.backend else ""  # the backend, then the layers
+        return f"{first}{self.table()!r}"
 
     def _repr_html_(self) -> str:
-        return f"<p>{html.escape(self.backend.line())}</p>{self.table()._repr_html_()}"
+        first = f"<p>{html.escape(self.backend.line())}</p>" if self.backend else ""
+        return f"{first}{self.table()._repr_html_()}"
 
     @property
     def headline(self) -> str:
@@ -103,13 +105,12 @@ class Fp8Report(TableView):
 
 
 def _report(model: nn.Module, planned: bool) -> Fp8Report:
-    layers, taken, weights, seen = [], [], [], set()
+    layers, taken, weights = [], [], []
     for name, m in model.named_modules():
-        if isinstance(m, Fp8Linear) or (real := real_fp8_backend(m)):
+        if isinstance(m, Fp8Linear) or real_fp8_backend(m):
             kind = "Conv1D" if getattr(m, "transposed", False) else "Linear"
             layers.append(LayerChoice(name, kind, m.in_features, m.out_features, True))
             weights.append(m.weight)
-            seen.add("ampnb" if isinstance(m, Fp8Linear) else real)
         elif (kind := kind_of(m)) is not None:
             n_in, n_out = kind.features(m)
             reason = unsupported_reason(m)
@@ -124,9 +125,7 @@ def _report(model: nn.Module, planned: bool) -> Fp8Report:
         else:
             continue
         taken.append(m)
-    backend = Backend(seen.pop() if len(seen) == 1 else "ampnb", "read off the model's layers")
-    return Fp8Report(tuple(layers), left_out(model, taken), parameter_share(model, taken, weights),
-                     backend)
+    return Fp8Report(tuple(layers), left_out(model, taken), parameter_share(model, taken, weights))
 
 
 def fp8_report(model: nn.Module) -> Fp8Report:
