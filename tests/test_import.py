@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -88,7 +89,7 @@ def test_importing_the_core_probes_no_hardware():
     assert "cuda.is_available" in found["after_use"]  # the spy works: devices() does probe
 
 
-# The public API of the package (DESIGN.md): every name stays, resolved lazily.
+# The public API of the package (docs/design.md): every name stays, resolved lazily.
 PUBLIC = {"FloatFormat", "FORMATS", "get_format", "quantize", "PrecisionMode", "MODES", "get_mode",
           "devices", "support", "support_table", "tf32", "set_tf32", "coverage", "capture",
           "trace_ops", "find_nonfinite", "memory_report", "Workbench", "ScalerStepper", "compare",
@@ -206,3 +207,10 @@ def test_no_import_cycle_in_ampnb():
     graph = import_graph()
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_design_page_names_every_public_name():
+    design = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    surface = design.split("## Public surface", 1)[1].split("\n## ", 1)[0]
+    missing = sorted(n for n in PUBLIC if not re.search(rf"\b{re.escape(n)}\b", surface))
+    assert not missing, f"docs/design.md's public surface does not name {missing}"
