@@ -82,7 +82,7 @@ def test_scale_is_fp8_max_over_amax_over_two_to_the_margin(fmt, margin, amax):
 
 def test_scale_keeps_the_previous_one_where_amax_is_zero_or_not_finite():
     previous = torch.tensor(3.0)
-    for amax in (0.0, float("inf"), float("nan")):
+    for amax in (0.0, -0.0, float("inf"), float("nan"), 1e-40):  # 1e-40: the scale overflows
         assert amax_to_scale(torch.tensor(amax), "fp8_e4m3", 0, previous).item() == 3.0
     # Without a previous scale, an all-zero tensor still gets a finite scale (torchao's clamp).
     assert torch.isfinite(amax_to_scale(torch.tensor(0.0), "fp8_e4m3"))

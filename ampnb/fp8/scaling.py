@@ -18,7 +18,8 @@ def tensor_to_amax(x: torch.Tensor) -> torch.Tensor:
     # One read of x and no |x| temporary (a fresh activation-sized buffer per cast costs more
     # than the reduction on a CPU); the max and min are elements of x, so this is exact.
     low, high = torch.aminmax(x.detach())
-    return torch.maximum(high, low.neg()).float()
+    amax = torch.maximum(high, low.neg())
+    return amax if amax.dtype == torch.float32 else amax.float()
 
 
 def amax_to_scale(amax: torch.Tensor, fmt: str | FloatFormat, margin: int = 0,
@@ -31,12 +32,13 @@ def amax_to_scale(amax: torch.Tensor, fmt: str | FloatFormat, margin: int = 0,
     f = get_format(fmt)
     amax = amax.detach().double()  # float64, as torchao: eager and compiled agree
     # fmax / 2**margin / amax equals fmax / amax / 2**margin (a power of two moves no rounding).
-    scale = ((f.max / 2.0**margin) / amax.clamp(min=EPS)).float()
+    top = f.max / 2.0**margin
     if previous is None:
-        return scale
-    # amax 0 gives a finite but meaningless scale, inf gives 0, NaN and overflow fail `< inf`.
-    usable = (amax > 0) & (scale > 0) & (scale < float("inf"))
-    return torch.where(usable, scale, previous)
+        return (top / amax.clamp(min=EPS)).float()
+    # Unclamped, every amax that cannot give a scale gives one outside (0, inf): 0 gives inf,
+    # inf gives 0, NaN gives NaN, and one too small overflows float32 to inf.
+    scale = (top / amax).float()
+    return torch.where((scale > 0) & (scale < float("inf")), scale, previous)
 
 
 def push_amax(history: torch.Tensor, amax: torch.Tensor, filled: int) -> torch.Tensor:
@@ -70,7 +72,8 @@ def scaled_cast(x: torch.Tensor, fmt: str | FloatFormat, scale: torch.Tensor,
     if f.torch_dtype is None or saturate is False:
         raise ValueError(f"scaled_cast needs a format torch has with saturate True or None, got "
                          f"{f.name} with saturate={saturate!r}; allowed: scaled_quantize for others")
-    y = (x.float() if x.dtype == torch.float64 else x) * scale.reshape(1).float()
+    scale = scale.reshape(1) if scale.dtype == torch.float32 else scale.reshape(1).float()
+    y = (x.float() if x.dtype == torch.float64 else x) * scale
     if saturate and f.torch_overflow != "saturate":
         y.clamp_(-f.max, f.max)
     return y.to(f.torch_dtype)
