@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "fp8_autocast": "ampnb.fp8.autocast",
     "fp8_active": "ampnb.fp8.autocast",
     "te_status": "ampnb.fp8.backends",
+    "BACKENDS": "ampnb.fp8.backends",
     # Low-bit weight formats live in ampnb.lowbit; these names stay reachable from here.
     "LOWBIT_FORMATS": "ampnb.lowbit.formats",
     "get_lowbit": "ampnb.lowbit.formats",
