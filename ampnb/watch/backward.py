@@ -3,7 +3,7 @@
 Why not a public mechanism: module, tensor and optimizer hooks never see the loss a plain loop
 computes from the model's output, and a `TorchFunctionMode` that sees `Tensor.backward` has to be
 on the mode stack through the whole forward (every op then runs through Python: a pass-through
-mode cost 1.14-1.16x the demo GPT's bf16-mixed step here, one thread, 200 steps interleaved,
+mode cost 1.14-1.17x the demo GPT's bf16-mixed step here, one thread, 200 steps interleaved,
 far past the watch's 1.03x budget), or be pushed after the forward and popped
 at the backward, which corrupts the stack when a user's own mode straddles that point. So the
 watch takes autograd's engine call, as ampnb's cell does (`ampnb.step._engine_in`), once for all
