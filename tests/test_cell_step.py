@@ -254,3 +254,22 @@ def test_deberta_v2_attention_trains_as_the_recipe_bit_for_bit(ip):
         assert torch.equal(p, q), name
     for name in ("deb", "ids", "labels"):
         ip.user_ns.pop(name, None)
+
+
+def test_a_watch_sees_a_loop_run_in_a_cell_and_both_leave_the_engine_as_it_was(ip):
+    import ampnb
+
+    engine = torch.autograd._engine_run_backward
+    net = _net()
+    xs, ys = torch.randn(32, 16), torch.randn(32, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    ip.user_ns.update(net=net, xs=xs, ys=ys, opt=opt)
+    cell = ("for _ in range(3):\n"
+            "    opt.zero_grad()\n"
+            "    torch.nn.functional.mse_loss(net(xs), ys).backward()\n"
+            "    opt.step()\n")
+    with ampnb.watch(net, opt) as w:
+        amp(ip, "bf16-mixed", cell)
+    assert [r.micro_batches for r in w.records] == [1, 1, 1]
+    assert all(r.loss == r.loss and not r.nonfinite for r in w.records)
+    assert torch.autograd._engine_run_backward is engine
