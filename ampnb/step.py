@@ -1,4 +1,4 @@
-"""The one training step under a mode (DESIGN.md, "The step"), and the context a cell runs in.
+"""The one training step under a mode (docs/design.md, "The step"), and the context a cell runs in.
 
 A step means what torch's AMP recipe and Lightning Fabric mean: forward and loss under the
 mode's autocast, backward with autocast off, the update through the mode's `optimizer_step`

@@ -307,7 +307,7 @@ def test_importing_the_integrations_imports_no_framework():
 
 
 def test_the_integrations_are_reached_from_a_plain_import_ampnb():
-    """DESIGN.md's spelling: `ampnb.integrations.lightning.PrecisionMonitor` after `import ampnb`."""
+    """The public spelling (docs/design.md): `ampnb.integrations.lightning.PrecisionMonitor` after `import ampnb`."""
     code = ("import sys, ampnb\n"
             "print('lightning' in sys.modules)\n"
             "print(ampnb.integrations.lightning.PrecisionMonitor.__name__)\n")

@@ -1,5 +1,5 @@
 """Where work runs: the device of the data (the model's parameters, the batch); a stated device
-only states it, and one that disagrees is an error naming both (DESIGN.md, "the device follows
+only states it, and one that disagrees is an error naming both (docs/design.md, "the device follows
 the data": autocast on a device the tensors are not on lowers nothing)."""
 
 from __future__ import annotations

