@@ -129,27 +129,28 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
-    """ampnb modules imported anywhere in the file: module or function level, and under
-    `if TYPE_CHECKING:` too (a cycle for the type checker is still a cycle of the design)."""
+def _import_sites(name: str, path: pathlib.Path, modules: dict) -> list[tuple[str, int]]:
+    """(ampnb module, line) for every import in the file: module or function level, relative ones
+    resolved, and under `if TYPE_CHECKING:` too (a cycle for the type checker is still a cycle of
+    the design)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+            found += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, base] if base else up)
-            for a in node.names:
-                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
+            found += [(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base, node.lineno)
+                      for a in node.names]
+    return [(m, line) for m, line in found if m in modules and m != name]
 
-    visit(ast.parse(path.read_text()))
-    return {m for m in found if m in modules and m != name}
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    """ampnb modules imported anywhere in the file (see `_import_sites`)."""
+    return {m for m, _ in _import_sites(name, path, modules)}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -207,6 +208,85 @@ def test_no_import_cycle_in_ampnb():
     graph = import_graph()
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# ---------------------------------------------------------------- rooms
+
+def _room(module: str) -> str | None:
+    """The room a module lives in: the top-level module or package directly under ampnb/
+    (`ampnb.diagnosis.replay` -> 'diagnosis'); None for the package's own __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def room_imports() -> dict[tuple[str, str], list[str]]:
+    """(importing room, imported room) -> every 'file:line' where that import is written."""
+    modules = _modules()
+    found: dict[tuple[str, str], list[str]] = {}
+    for name, path in sorted(modules.items()):
+        for target, line in _import_sites(name, path, modules):
+            a, b = _room(name), _room(target)
+            if a and b and a != b:
+                where = f"{path.relative_to(ROOT.parent)}:{line}"
+                found.setdefault((a, b), []).append(where)
+    return found
+
+
+def _reachable(edges: set[tuple[str, str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for a, b in edges:
+            if a == todo[-1] and b not in seen:
+                seen.add(b)
+                todo.insert(0, b)
+        todo.pop()
+    return seen
+
+
+def rooms_importing_each_other(imports: dict[tuple[str, str], list[str]]) -> list[str]:
+    """Each pair of rooms that reach each other through imports (at any depth), with the imports
+    between rooms of that tangle: the lines to move."""
+    edges = set(imports)
+    reach = {r: _reachable(edges, r) for r in sorted({r for e in edges for r in e})}
+    lines = []
+    for a in reach:
+        for b in sorted(reach[a]):
+            if a < b and a in reach[b]:
+                lines.append(f"{a} <-> {b}")
+    tangled = {r for r in reach if r in reach[r]}
+    for (a, b), where in sorted(imports.items()):
+        if a in tangled and b in tangled and a in reach[b]:
+            lines.append(f"  {a} -> {b}: {', '.join(sorted(set(where), key=_site))}")
+    return lines
+
+
+def _site(where: str) -> tuple[str, int]:
+    path, line = where.rsplit(":", 1)
+    return path, int(line)
+
+
+def test_the_room_graph_sees_function_level_and_relative_imports(tmp_path):
+    imports = room_imports()
+    assert "ampnb/fp8/__init__.py:5" in imports[("fp8", "_lazy")]   # module level, absolute
+    assert ("magics", "magics") not in imports                      # inside a room: not counted
+    fake = {("a", "b"): ["a.py:1"], ("b", "c"): ["b.py:2"], ("c", "a"): ["c.py:3"],
+            ("c", "d"): ["c.py:4"]}
+    found = rooms_importing_each_other(fake)
+    assert found[:3] == ["a <-> b", "a <-> c", "b <-> c"] and "  c -> d: c.py:4" not in found
+    assert "  c -> a: c.py:3" in found
+    assert rooms_importing_each_other({("a", "b"): ["a.py:1"]}) == []
+    source = tmp_path / "rel.py"
+    source.write_text("def f():\n    from .. import formats\n    from ..device import cpu\n")
+    sites = _import_sites("ampnb.watch.rel", source, _modules())
+    assert ("ampnb.formats", 2) in sites and ("ampnb.device.cpu", 3) in sites
+
+
+@pytest.mark.xfail(strict=True, reason="#35: five pairs of rooms still import each other")
+def test_no_two_rooms_import_each_other():
+    """The rooms (modules and packages directly under ampnb/) form layers: no two reach each
+    other through imports at any depth, function-level ones included."""
+    found = rooms_importing_each_other(room_imports())
+    assert not found, "rooms importing each other:\n" + "\n".join(found)
 
 
 def test_the_design_page_names_every_public_name():
