@@ -30,18 +30,20 @@
 # ## A tiny model
 #
 # `ampnb.models.demo` builds small, seeded models with their optimizer, loss and batches. The MLP
-# classifies points of three interleaved spirals. We put it where `%%amp` runs by default: the GPU
-# if there is one, else the CPU.
+# classifies points of three interleaved spirals. We put it on the GPU if there is one, else the
+# CPU (`%%amp` runs where the cell's model and tensors are). `demo_for` sizes the demo for the
+# device: on a GPU it is made large enough for tensor cores to show in the comparison below (a
+# tiny model there is launch-bound, notebook 02 shows it); on a CPU it is the demo as it is.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 import torch
 
 import ampnb
-from ampnb.models import demo
+from ampnb.models import demo, demo_for
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where %%amp runs by default
-d = demo("mlp", device=DEVICE)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+d = demo_for(DEVICE, "mlp")
 x, y = d.batches[0]
 d
 

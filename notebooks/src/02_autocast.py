@@ -11,7 +11,8 @@
 # 4. *true* modes vs *mixed* modes, and creating a model directly in low precision,
 # 5. TF32: fp32 matmuls with a 10-bit mantissa, emulated here on any machine,
 # 6. fp16 on a CPU as tensor cores compute it, and an 8M-parameter model whose layers overflow
-#    fp16, drawn layer by layer against fp16's range.
+#    fp16, drawn layer by layer against fp16's range,
+# 7. speed needs size: a small model is launch-bound; a model sized for the device shows the gain.
 #
 # Prerequisites: 00 (quickstart); 01 (number formats) helps. About 20 minutes.
 # Everything runs on the CPU; the op lists below are **CPU autocast's** — on a GPU they differ (for
@@ -472,6 +473,50 @@ ampnb.plots.plot_layer_summary(layers, formats=("fp16", "bf16")).figure
 big(features)
 
 # %% [markdown]
+# ## 7. Speed needs size: a small model is launch-bound
+#
+# Mixed precision is fast where matrix products dominate the step: tensor cores (and a CPU's bf16
+# units) multiply bf16 faster than fp32. But every op also pays a fixed cost to launch, and
+# bf16-mixed adds casts. On a small model the fixed costs dominate and bf16-mixed gains nothing —
+# on a GPU it can even be slower than 32-true (the demo GPT has about a hundred thousand
+# parameters). `ampnb.models.demo_for(device)` sizes a demo for the device: on a GPU, a GPT large
+# enough for the tensor cores to show; on a CPU, the demo as it is. One training step of each,
+# timed by `ampnb.compare` on the device the model is on:
+
+# %%
+from ampnb.models import demo_for  # noqa: E402
+
+
+def train_step_of(d):
+    """One plain training step of a demo (forward, loss, backward, optimizer step)."""
+    x, y = d.batches[0]
+
+    def step():
+        d.optimizer.zero_grad()
+        loss = d.loss_fn(d.model(x), y)
+        loss.backward()
+        d.optimizer.step()
+        return loss
+    return step
+
+
+SPEED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+sized = {"the demo GPT": demo("gpt", device=SPEED_DEVICE)}
+if SPEED_DEVICE != "cpu":
+    sized[f"demo_for({SPEED_DEVICE!r})"] = demo_for(SPEED_DEVICE)
+for label, d in sized.items():
+    found = ampnb.compare(train_step_of(d), ("bf16-mixed",), repeat=5, model=d.model)
+    n = sum(p.numel() for p in d.model.parameters())
+    print(f"{label}, {n / 1e6:.2f}M parameters, on {found.device}: bf16-mixed "
+          f"{found.row('bf16-mixed').speedup:.2f}x the speed of 32-true")
+
+# %% [markdown]
+# Read the figures above for the machine that ran this notebook. On a GPU, the small demo's
+# ratio shows the launch-bound case and the sized one the tensor cores' gain; on a CPU, whether
+# bf16-mixed is faster depends on bf16 units (AVX512-BF16 or AMX; the support table in notebook 00
+# says, measured) more than on size.
+
+# %% [markdown]
 # ## Summary
 #
 # * Autocast decides per op: matmul-like ops are **lowered**, sensitive ops are **kept in fp32**,
@@ -485,5 +530,7 @@ big(features)
 #   the effect anywhere.
 # * On a CPU without fp16 units, fp16 products run as fp32 kernels rounded once (tensor-core
 #   numerics) at fp32 speed; `--fp16-kernels native` runs torch's slow fallback instead.
+# * Speed needs size: a small model is launch-bound, and `demo_for(device)` sizes one that shows
+#   what the hardware's bf16 units give.
 #
 # Next: **03 · GradScaler**, for the one mode that also needs loss scaling: `16-mixed`.
