@@ -273,3 +273,25 @@ def test_a_watch_sees_a_loop_run_in_a_cell_and_both_leave_the_engine_as_it_was(i
     assert [r.micro_batches for r in w.records] == [1, 1, 1]
     assert all(r.loss == r.loss and not r.nonfinite for r in w.records)
     assert torch.autograd._engine_run_backward is engine
+
+
+def test_a_watch_opened_in_one_cell_sees_the_loop_of_the_next(ip):
+    """The first cell's end puts back the engine call it found, dropping the watch's: the watch
+    installs it again at the next step's start; closing leaves the engine call as it was."""
+    import ampnb
+
+    engine = torch.autograd._engine_run_backward
+    net = _net()
+    ip.user_ns.update(net=net, xs=torch.randn(32, 16), ys=torch.randn(32, 4), ampnb=ampnb,
+                      opt=torch.optim.SGD(net.parameters(), lr=0.05))
+    amp(ip, "bf16-mixed", "w = ampnb.watch(net, opt)\n")
+    amp(ip, "bf16-mixed", "for _ in range(3):\n"
+                          "    opt.zero_grad()\n"
+                          "    torch.nn.functional.mse_loss(net(xs), ys).backward()\n"
+                          "    opt.step()\n")
+    w = ip.user_ns.pop("w")
+    w.close()
+    assert [r.micro_batches for r in w.records] == [1, 1, 1]
+    assert all(r.loss == r.loss for r in w.records)
+    assert torch.autograd._engine_run_backward is engine
+    ip.user_ns.pop("ampnb", None)

@@ -58,20 +58,28 @@ def _current() -> Any:
 
 
 @critical
-def listen(fn: Listener) -> Callable[[], None]:
-    """See every backward run in this thread from now on; returns what stops it."""
-    key = _next[0] = _next[0] + 1
-    # ours is not the call in effect (none yet, or a context that wrapped it left and put back
-    # what it found before): install it (again; a second copy in the chain passes through)
+def ensure() -> None:
+    """Ours is not the call in effect — none yet, or something installed over it (a `%%amp`
+    cell) or a context that put back what it found before ours (a watch opened inside a cell
+    that has ended): install it on top (a copy already deeper in the chain passes through)."""
     if not _installed or _current() is not _installed[-1][1]:
         previous = _engine_in(_wrap)
         _installed.append((previous, _current()))
+
+
+@critical
+def listen(fn: Listener) -> Callable[[], None]:
+    """See every backward run in this thread from now on; returns what stops it."""
+    key = _next[0] = _next[0] + 1
+    ensure()
     _listeners[key] = (threading.get_ident(), fn)
 
     @critical
     def stop() -> None:
         if _listeners.pop(key, None) is None or _listeners:
             return
-        while _installed and _current() is _installed[-1][1]:  # on top: put back what was
-            _engine_out(_installed.pop()[0])
+        while _installed:  # from the newest: ours in effect is put back, one dropped or
+            previous, ours = _installed.pop()  # buried under another's is forgotten
+            if _current() is ours:
+                _engine_out(previous)
     return stop

@@ -235,6 +235,8 @@ class Watch:
             return
         self._settle()
         self._entered = module
+        if self._state is None:  # once a step: a cell's context may have dropped it
+            backward.ensure()
         s = self._current()
         self._fresh = True
         if math.isnan(s.t0):
