@@ -20,7 +20,7 @@ import torch
 from ampnb._interrupt import Guard
 from ampnb._kernels import KernelOverride
 from ampnb._tree import map_tensors
-from ampnb.device.cpu import cpu_native
+from ampnb.cpu import cpu_native
 
 aten = torch.ops.aten
 HALF = torch.float16

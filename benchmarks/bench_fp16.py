@@ -123,7 +123,7 @@ def _tf32_emulated(label: str, build, repeat: int) -> Result:
 
 
 def run() -> list[Result]:
-    from ampnb.device.cpu import cpu_model
+    from ampnb.cpu import cpu_model
 
     results = _step_ratios("issue's MLP 512-2048-512, batch 256", _mlp, native=True, repeat=5)
     results += _step_ratios("demo GPT", lambda: _demo("gpt"), native=True, repeat=7)

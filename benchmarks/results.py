@@ -19,14 +19,14 @@ import torch
 from benchmarks._common import Result
 
 PATH = Path(__file__).with_name("RESULTS.md")
-# The CPU flags that decide what runs natively here (ampnb.device.cpu reads the same ones).
+# The CPU flags that decide what runs natively here (ampnb.cpu reads the same ones).
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "asimdhp", "bf16")
 _SECTION = re.compile(r"^## (bench_\w+)$", re.M)
 
 
 def machine() -> str:
     """One line: CPU model, cores, the flags that matter, torch build, GPU if any."""
-    from ampnb.device.cpu import _cpuinfo, detected_features
+    from ampnb.cpu import _cpuinfo, detected_features
 
     model = _cpuinfo("model name", "Model", "Hardware") or platform.processor() or "unknown CPU"
     flags = sorted(f for f in FLAGS if f in detected_features()) or ["none of " + "/".join(FLAGS)]

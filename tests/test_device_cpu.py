@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampnb.device import cpu as cpu_module
+from ampnb import cpu as cpu_module
 from ampnb.device import (
     cpu_features,
     cpu_features_as,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import ampnb.device.cpu
+import ampnb.cpu
 import ampnb.device.tf32_switch
 import ampnb.modes
 from ampnb import _interrupt, _state
@@ -29,7 +29,7 @@ from ampnb.device import (
 )
 from ampnb.modes import MODES, default_dtype
 
-SWEPT = {m.__file__ for m in (ampnb.device.tf32_switch, ampnb.device.cpu, ampnb.modes)}
+SWEPT = {m.__file__ for m in (ampnb.device.tf32_switch, ampnb.cpu, ampnb.modes)}
 
 
 def interrupt_at(k: int, body: Callable[[], None]) -> bool:
@@ -69,7 +69,7 @@ def sweep(body: Callable[[], None], check: Callable[[], None] | None = None) -> 
         k += 1
         reached = interrupt_at(k, body)
         assert _state.snapshot() == before, f"state changed by an interrupt at line {k}"
-        assert cpu_features() == features and not ampnb.device.cpu._override, k
+        assert cpu_features() == features and not ampnb.cpu._override, k
         assert not _interrupt._pending and not _interrupt.deferring(), k
         if check is not None:
             check()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ampnb.device.cpu import cpu_features, cpu_model, cpu_native, detected_features
+from ampnb.cpu import cpu_features, cpu_model, cpu_native, detected_features
 from ampnb.device.spec import LABEL as SPEC_LABEL
 from ampnb.device.spec import SOURCES, SpecColumn, spec_columns
 from ampnb.display import Table
