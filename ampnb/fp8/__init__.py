@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "roundtrip": "ampnb.lowbit.formats",
     "block_normalized": "ampnb.lowbit.formats",
     "quantize_model": "ampnb.lowbit.model",
-    "side_by_side": "ampnb.fp8.accuracy",
+    # A runner on the one step, above the modes (which import fp8): it lives in comparison.
+    "side_by_side": "ampnb.comparison.fp8",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -1,4 +1,8 @@
-"""The same model trained under 32-true, bf16-mixed and emulated FP8: losses side by side."""
+"""The same model trained under 32-true, bf16-mixed and emulated FP8: losses side by side.
+
+A runner on the one step, so it sits above `ampnb.modes` (whose Transformer Engine modes import
+`ampnb.fp8`); `ampnb.fp8.side_by_side` is this function.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from ampnb.display import Table, TableView
 from ampnb.fp8.convert import Fp8Report, convert_to_fp8
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 from ampnb.fp8.stats import Fp8Stats
+from ampnb.modes import get_mode
+from ampnb.start import Start
+from ampnb.step import StepSettings, step_context, train_step
 
 # run name -> (converts to FP8?, the mode its steps run under). FP8 runs keep bf16 autocast
 # for every other op, as Lightning's Transformer Engine plugin does with its fallback autocast.
@@ -60,10 +67,6 @@ class _Work:
 
 def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, seed: int,
            watch: bool) -> tuple[list[float], Fp8Report | None, Fp8Stats | None]:
-    # fp8 sits below the modes (they import it): the one step is imported when a run starts.
-    from ampnb.modes import get_mode
-    from ampnb.step import StepSettings, step_context, train_step
-
     to_fp8, mode_name = RUNS[run]
     mode = get_mode(mode_name)
     model, opt = work.model, work.optimizer
@@ -110,9 +113,6 @@ def _work(model: Any, batch: Any, loss_fn: Any, optimizer: Any, seed: int, devic
     if demo_kw:
         raise ValueError(f"{', '.join(demo_kw)} only apply to a demo name, not to a model")
     b = as_batch(batch, loss_fn).to(device)
-    from ampnb.modes import get_mode  # fp8 sits below the modes (they import it)
-    from ampnb.start import Start
-
     start = Start.take(model, optimizer)  # one snapshot; None: AdamW(lr=1e-3)
 
     def from_model() -> _Work:
