@@ -192,6 +192,13 @@ def get_format(fmt: str | torch.dtype | FloatFormat) -> FloatFormat:
     )
 
 
+def headroom(amax: float, fmt_max: float) -> float:
+    """Binades between a tensor's largest magnitude and a format's max (negative: it overflows)."""
+    if not amax or math.isnan(amax):
+        return math.inf
+    return math.log2(fmt_max / amax)
+
+
 def quantize(x: torch.Tensor, fmt: str | torch.dtype | FloatFormat,
              saturate: bool | None = None) -> torch.Tensor:
     """Round x to nearest-even into `fmt`; returns x's dtype.

@@ -13,11 +13,11 @@ from torch import nn
 
 from ampnb.batch import as_batch
 from ampnb.diagnosis.candidates import candidate
-from ampnb.diagnosis.errors import headroom
 from ampnb.diagnosis.evidence import ModeRow, acceptable, mode_row
 from ampnb.diagnosis.layers import LayerRow
 from ampnb.diagnosis.recommend import Tolerance, choose, islands
 from ampnb.diagnosis.run import Setup, measure
+from ampnb.formats import headroom
 from ampnb.start import started
 
 CE = nn.functional.cross_entropy

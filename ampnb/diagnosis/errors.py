@@ -81,13 +81,6 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else abs(a - b)
 
 
-def headroom(amax: float, fmt_max: float) -> float:
-    """Binades between a tensor's largest magnitude and a format's max (negative: it overflows)."""
-    if not amax or math.isnan(amax):
-        return math.inf
-    return math.log2(fmt_max / amax)
-
-
 def lost_updates(ref_before: dict[str, torch.Tensor], ref_after: dict[str, torch.Tensor],
                  before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
     """Share of the reference's nonzero weight updates whose weight this run left unchanged."""

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ampnb.diagnosis.errors import NOT_COMPARED, Err, headroom
+from ampnb.diagnosis.errors import NOT_COMPARED, Err
 from ampnb.diagnosis.run import StepResult
-from ampnb.formats import get_format
+from ampnb.formats import get_format, headroom
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ampnb.diagnosis.errors import headroom as _headroom
 from ampnb.formats import get_format
+from ampnb.formats import headroom as _headroom
 
 LOG_NAME = "records.jsonl"
 HEADROOM_FORMATS = ("fp16", "bf16", "fp8_e4m3")  # the formats each layer's headroom is told against
