@@ -279,7 +279,7 @@ def test_a_skip_from_parameter_gradients_is_named_though_zero_grad_cleared_them(
         m[0].weight.mul_(1e-3)  # huge inputs, ordinary activations: only m[0]'s weight
     opt, sc = torch.optim.SGD(m.parameters(), lr=1e-3), torch.amp.GradScaler("cpu")
     x = torch.randn(8, 16) * 1e3  # gradient, x^T g, overflows (and x needs no gradient)
-    bad = []
+    bad, amax = [], []
     with ampnb.watch(m, opt, sc) as w:
         for _ in range(2):
             with torch.autocast("cpu", dtype=torch.float16):
@@ -287,9 +287,13 @@ def test_a_skip_from_parameter_gradients_is_named_though_zero_grad_cleared_them(
             sc.scale(loss).backward()
             bad.append([n for n, mod in m.named_children()
                         if not all(torch.isfinite(p.grad).all() for p in mod.parameters())])
+            amax.append(max(float(p.grad.abs().nan_to_num(0.0, 0.0).amax())
+                            for p in m[1].parameters()) / sc.get_scale())
             sc.step(opt)
             sc.update()
             opt.zero_grad(set_to_none=True)
     first = w.records[0]
     assert first.skipped and math.isfinite(first.loss) and bad[0] == ["0"]
     assert (first.first_module, first.first_phase) == (bad[0][-1], "backward")
+    # the skipped step's gradient ranges, as its backward left them (unscaled)
+    assert next(la for la in first.layers if la.module == "1").grad_amax == amax[0]

@@ -285,6 +285,8 @@ class Watch:
             self._token = self._grads()
             if s.stats and s.first is None and s.grads_first is None:
                 s.grads_first = summary.grads_module(self._modules, self._stats)
+            if s.stats and self._scaler is not None:  # still scaled; a skipped step's are
+                s.read_grads(self._modules, self._stats, s.scale or 1.0)  # gone by its end
         return after
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -335,7 +337,7 @@ class Watch:
         if self._keeping and (skipped or s.found_inf is not None and bool(s.found_inf)):
             self._keep(s)  # a skipped step left model and optimizer as they were
         if s.stats:
-            if not s.grads_read:  # skipped: optimizer.step never ran; unscale_ did
+            if not s.grads_read:  # no backward seen (log_loss only)
                 s.read_grads(self._modules, self._stats, 1.0)
             if s.before is not None:
                 s.lost = summary.lost_updates(s.before)
