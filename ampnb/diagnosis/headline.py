@@ -55,12 +55,14 @@ class Headline:
     estimates: dict[str, float] = field(default_factory=dict)  # seconds per step, beforehand
     too_large: tuple[str, ...] = ()                # modes whose one step is over the budget
     failed: tuple[str, ...] = ()                   # "mode: could not run here (torch's error)"
+    copy_seconds: float = 0.0                      # making the fp32 working copy took this
 
 
-def reset(setup: Setup, net: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """The working copy back at the snapshot's values (weights, buffers, optimizer state)."""
+def reset(setup: Setup, net: nn.Module) -> None:
+    """The working copy's weights and buffers back at the snapshot's: what a step's loss and
+    gradients depend on. The optimizer state is left as it is (twice the weights' bytes, and no
+    gradient depends on it); each mode's update then starts from it, which only timing sees."""
     setup.start.master.load_into(net)
-    opt.load_state_dict(setup.start.master.optimizer_state())
 
 
 def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.Optimizer,
@@ -125,9 +127,11 @@ def headline(setup: Setup, ref_cand: Candidate, cands: Sequence[Candidate], cloc
              repeat: int, say: Callable[[str], None]) -> Headline:
     """32-true's first step and the unit; each candidate's cost (probed), first step and timed
     steps, round-robin."""
+    t0 = time.perf_counter()
     net, opt = _copy(setup, ref_cand)  # the working copy of every mode that keeps fp32 weights
+    made = time.perf_counter() - t0
     setup = _quiet(setup, net)
-    reset(setup, net, opt)
+    reset(setup, net)  # the forward that found the drawing modules moved BatchNorm's stats
     say(f"{ref_cand.name}: its first step (the reference) and {UNIT_STEPS} plain steps")
     ref = first_step(setup, ref_cand, net, opt, None, clock)
     unit: list[float] = []
@@ -135,7 +139,7 @@ def headline(setup: Setup, ref_cand: Candidate, cands: Sequence[Candidate], cloc
         for _ in range(UNIT_STEPS):
             _timed(setup, ref_cand, net, opt, None, unit)
         clock.plain = min(unit)
-    head = Headline(setup, ref, {ref_cand.name: ref}, {}, None)
+    head = Headline(setup, ref, {ref_cand.name: ref}, {}, None, copy_seconds=made)
     if not ref.finite:
         return head
     copies: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {"fp32": (net, opt)}
@@ -163,8 +167,7 @@ def later_steps(head: Headline, cands: Sequence[Candidate], clock: Clock,
     if not cands:
         return head
     ref_cand = candidate(REFERENCE, head.setup.device)
-    copies = {"fp32": _copy(head.setup, ref_cand)}
-    return _first_steps(head, ref_cand, cands, copies, clock, say, must=False)[0]
+    return _first_steps(head, ref_cand, cands, {}, clock, say, must=False)[0]
 
 
 def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate], copies: dict,
@@ -179,9 +182,13 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
     limit = clock.budget.limit(plain)
     for c in cands:
         key = "fp32" if keeps_model(c) else c.name
-        if not must and clock.left < plain:  # not even a plain step left: no copy, no probe
-            clock.skip(f"{c.name}: its step")
+        # a copy of its own costs about what the fp32 working copy did: not started without room
+        missing = {"fp32", key} - set(copies)
+        if not must and not clock.fits(plain + len(missing) * head.copy_seconds,
+                                       f"{c.name}: its step"):
             continue
+        if "fp32" not in copies:  # the probe's 32-true forward runs on it
+            copies["fp32"] = _copy(setup, ref_cand)
         if key not in copies:
             need = _copy_bytes(head.ref, c)
             if setup.cap is not None and not setup.cap.fits(need):
@@ -201,7 +208,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
             continue
         if not must and not clock.fits(estimates[c.name], what):
             continue
-        reset(setup, *copies[key])
+        reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
         try:
             runs[c.name] = first_step(setup, c, *copies[key], head.ref, clock)
