@@ -281,7 +281,6 @@ def test_the_room_graph_sees_function_level_and_relative_imports(tmp_path):
     assert ("ampnb.formats", 2) in sites and ("ampnb.device.hardware", 3) in sites
 
 
-@pytest.mark.xfail(strict=True, reason="#35: five pairs of rooms still import each other")
 def test_no_two_rooms_import_each_other():
     """The rooms (modules and packages directly under ampnb/) form layers: no two reach each
     other through imports at any depth, function-level ones included."""

@@ -15,8 +15,8 @@ from ampnb.panels.base import Panel
 from ampnb.plots._axes import new_axes
 from ampnb.plots.watch import plot_headroom, plot_records
 from ampnb.scaler.records import format_scale
-from ampnb.watch.records import HEADROOM_FORMATS, KINDS, LOG_NAME, StepRecord, read_log
-from ampnb.watch.table import StepSummary, layers_table, loss_text, records_table, summarize
+from ampnb.watchlog.records import HEADROOM_FORMATS, KINDS, LOG_NAME, StepRecord, read_log
+from ampnb.watchlog.table import StepSummary, layers_table, loss_text, records_table, summarize
 
 _VIEWS = ("scale and loss", "headroom")
 # Redraws take at most about a twentieth of a fast loop's time: after a draw that took t seconds,

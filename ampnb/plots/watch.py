@@ -9,8 +9,8 @@ from matplotlib.axes import Axes
 
 from ampnb.formats import get_format
 from ampnb.plots._axes import new_axes
-from ampnb.watch.records import KINDS, StepRecord
-from ampnb.watch.table import StepSummary, summarize
+from ampnb.watchlog.records import KINDS, StepRecord
+from ampnb.watchlog.table import StepSummary, summarize
 
 
 def _empty(ax: Axes, text: str) -> Axes:

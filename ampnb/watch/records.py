@@ -1,131 +1,16 @@
-"""What `ampnb.watch` records per optimizer step, and its JSON-lines log (the one log format).
+"""The watch's records and JSON-lines log, as `ampnb.watchlog.records` defines them."""
 
-A record is data only (frozen, JSON round-trip exact); the watch fills it, the table, plot, panel,
-TensorBoard writer and the integrations read it. Headroom is derived from amax and the formats'
-bits on demand, never stored.
-"""
+from ampnb.watchlog.records import (
+    HEADROOM_FORMATS,
+    KINDS,
+    LOG_NAME,
+    LayerStats,
+    StepRecord,
+    as_dict,
+    log_path,
+    read_log,
+    write,
+)
 
-from __future__ import annotations
-
-import json
-import math
-from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
-from typing import Any
-
-from ampnb.formats import get_format
-from ampnb.formats import headroom as _headroom
-
-LOG_NAME = "records.jsonl"
-HEADROOM_FORMATS = ("fp16", "bf16", "fp8_e4m3")  # the formats each layer's headroom is told against
-KINDS = ("act", "act_grad", "grad")               # activations, activation gradients, parameter grads
-
-
-@dataclass(frozen=True)
-class LayerStats:
-    """One module's ranges at one step, all unscaled (divided by the loss scale where scaled)."""
-
-    module: str                 # name as the user wrote the model (no DDP 'module.' / compile prefix)
-    act_amax: float = math.nan       # largest finite |output| in the forward
-    act_grad_amax: float = math.nan  # largest finite |gradient of the output|
-    grad_amax: float = math.nan      # largest finite |gradient| of the module's own parameters
-    fp16_flush: float = math.nan     # share of nonzero parameter-gradient values fp16 rounds to 0
-                                     # without a loss scale
-
-    def amax(self, kind: str) -> float:
-        """The amax of 'act', 'act_grad' or 'grad'."""
-        if kind not in KINDS:
-            raise ValueError(f"kind={kind!r} is not allowed; allowed: {', '.join(KINDS)}")
-        return getattr(self, f"{kind}_amax")
-
-    def headroom(self, kind: str, fmt: str = "fp16") -> float:
-        """Binades between the amax of `kind` and the format's max (negative: it overflows)."""
-        return _headroom(self.amax(kind), get_format(fmt).max)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One optimizer step of the user's loop (its micro-batches of accumulation included)."""
-
-    step: int                        # optimizer steps seen by the watch, from 0
-    rank: int = 0                    # torch.distributed rank (0 when not distributed)
-    micro_batches: int = 0           # backward calls that fed this step
-    loss: float = math.nan           # sum of the unscaled losses its backwards started from
-                                     # (= the undivided mean when the loop divides; nan: none)
-    scale: float | None = None       # the GradScaler's scale its backward ran at (None: no scaler)
-    skipped: bool = False            # the GradScaler skipped optimizer.step()
-    nonfinite: bool = False          # the loss or a gradient was inf/NaN
-    first_module: str = ""           # first module whose output or gradient became non-finite
-    first_phase: str = ""            # 'forward' or 'backward' ('' when finite)
-    lost_updates: float | None = None  # true modes: share of nonzero updates lost to rounding
-    seconds: float = math.nan        # wall time from the step's first forward to its end
-    time: float = math.nan           # wall-clock time.time() at the step's end (orders ranks)
-    layers: tuple[LayerStats, ...] = field(default_factory=tuple)  # every `every` steps, else ()
-
-    @property
-    def has_scaler(self) -> bool:
-        """A GradScaler was there to skip the step."""
-        return self.scale is not None
-
-    def to_json(self) -> str:
-        """One line of the log (inf/NaN spelled as JSON numbers Python reads back)."""
-        return json.dumps(asdict(self), allow_nan=True, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, line: str) -> StepRecord:
-        """The record one log line holds (unknown keys from newer versions ignored)."""
-        data = json.loads(line)
-        known = {f.name for f in fields(cls)}
-        layer_keys = {f.name for f in fields(LayerStats)}
-        data = {k: v for k, v in data.items() if k in known}
-        data["layers"] = tuple(LayerStats(**{k: v for k, v in d.items() if k in layer_keys})
-                               for d in data.get("layers", ()))
-        return cls(**data)
-
-
-def log_path(log_dir: str | Path, rank: int | None) -> Path:
-    """Where a process writes: log_dir/records.jsonl, or log_dir/rank{r}/records.jsonl."""
-    root = Path(log_dir)
-    return root / LOG_NAME if rank is None else root / f"rank{rank}" / LOG_NAME
-
-
-def write(path: Path, records: Iterable[StepRecord]) -> None:
-    """Append records to a log, one line each, flushed (a panel may be following the file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        for r in records:
-            f.write(r.to_json() + "\n")
-        f.flush()
-
-
-def _records(path: Path) -> Iterator[StepRecord]:
-    """The records of one log file; a complete line that is not a record is an error naming
-    the file and line (a log is written only by the watch: a bad line means damage)."""
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.endswith("\n"):  # a line still being written is read next time
-                continue
-            try:
-                yield StepRecord.from_json(line)
-            except (ValueError, TypeError, AttributeError) as e:
-                raise ValueError(f"{path}, line {n} is not a record ampnb.watch wrote "
-                                 f"({type(e).__name__}); allowed: the lines the watch writes"
-                                 ) from None
-
-
-def read_log(log_dir: str | Path) -> list[StepRecord]:
-    """Every record under a log_dir (its own file and every rank's), ordered by step then rank;
-    a damaged line is a ValueError naming its file and line (a line still being written is not)."""
-    root = Path(log_dir)
-    if not root.is_dir():
-        raise ValueError(f"log_dir={str(log_dir)!r} is not a directory; allowed: a log_dir "
-                         "that ampnb.watch(..., log_dir=...) wrote")
-    paths = [root / LOG_NAME, *sorted(root.glob(f"rank*/{LOG_NAME}"))]
-    found = [r for p in paths if p.is_file() for r in _records(p)]
-    return sorted(found, key=lambda r: (r.step, r.rank))
-
-
-def as_dict(record: StepRecord) -> dict[str, Any]:
-    """The record's scalars by name (what loggers get); layers are left out."""
-    return {k: v for k, v in asdict(record).items() if k != "layers"}
+__all__ = ["HEADROOM_FORMATS", "KINDS", "LOG_NAME", "LayerStats", "StepRecord", "as_dict",
+           "log_path", "read_log", "write"]
