@@ -16,7 +16,7 @@ import torch
 
 import ampnb.cpu
 import ampnb.device.tf32_switch
-import ampnb.modes
+import ampnb.modes.base
 from ampnb import _interrupt, _state
 from ampnb.device import (
     cpu_features,
@@ -29,7 +29,7 @@ from ampnb.device import (
 )
 from ampnb.modes import MODES, default_dtype
 
-SWEPT = {m.__file__ for m in (ampnb.device.tf32_switch, ampnb.cpu, ampnb.modes)}
+SWEPT = {m.__file__ for m in (ampnb.device.tf32_switch, ampnb.cpu, ampnb.modes.base)}
 
 
 def interrupt_at(k: int, body: Callable[[], None]) -> bool:
