@@ -10,7 +10,7 @@ from torch import nn
 
 from ampnb import apex
 from ampnb.display import Table
-from ampnb.modes.base import Availability, PrecisionMode, _device_type, cast_floats
+from ampnb.modes.base import Availability, PrecisionMode, cast_floats, device_type
 from ampnb.modes.mixed import Fp16Mixed
 from ampnb.modes.true import Fp16True, Fp32True
 from ampnb.modes.view import ModeView
@@ -56,7 +56,7 @@ class ApexO2(_Legacy, PrecisionMode, ModeView):
         return cast_floats(data, torch.float16)  # APEX patched forward to cast inputs to fp16
 
     def make_scaler(self, device: str | torch.device = "cpu") -> torch.amp.GradScaler:
-        return torch.amp.GradScaler(_device_type(device))
+        return torch.amp.GradScaler(device_type(device))
 
     def master_weights(self, optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager:
         return apex.master_step_hooks() if optimizer is None else apex.master_step(optimizer)

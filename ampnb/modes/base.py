@@ -60,12 +60,12 @@ def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     return map_tensors(lambda t: t.to(dtype) if torch.is_floating_point(t) else t, data)
 
 
-def _device_type(device: str | torch.device) -> str:
+def device_type(device: str | torch.device) -> str:
     return torch.device(device).type
 
 
-def _cuda_present(device: str | torch.device) -> Availability:
-    if _device_type(device) == "cuda" and not torch.cuda.is_available():
+def cuda_present(device: str | torch.device) -> Availability:
+    if device_type(device) == "cuda" and not torch.cuda.is_available():
         return Availability(False, "needs CUDA, which this machine does not have", "cpu")
     return Availability(True)
 
@@ -75,8 +75,8 @@ BF16_REQUIREMENTS = "CUDA compute capability >= 8.0, or a CPU"
 
 def bf16_present(device: str | torch.device, fallback: str) -> Availability:
     """Whether bf16 runs on `device` (CUDA needs compute capability >= 8.0), else `fallback`."""
-    found = _cuda_present(device)
-    if found.ok and _device_type(device) == "cuda" and not torch.cuda.is_bf16_supported():
+    found = cuda_present(device)
+    if found.ok and device_type(device) == "cuda" and not torch.cuda.is_bf16_supported():
         return Availability(False, "needs a GPU with bf16 (compute capability >= 8.0)", fallback)
     return found
 
@@ -143,7 +143,7 @@ class PrecisionMode:
 
     def availability(self, device: str | torch.device = "cpu") -> Availability:
         """Whether this mode can run on `device` here."""
-        return _cuda_present(device)
+        return cuda_present(device)
 
     def check(self, device: str | torch.device = "cpu") -> None:
         """Raise a one-line ValueError when the mode cannot run on `device`."""

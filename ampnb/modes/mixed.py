@@ -11,9 +11,9 @@ from ampnb.modes.base import (
     BF16_REQUIREMENTS,
     Availability,
     PrecisionMode,
-    _device_type,
     bf16_present,
     cast_floats,
+    device_type,
     guarded,
 )
 from ampnb.modes.view import ModeView
@@ -23,7 +23,7 @@ class MixedMode(PrecisionMode, ModeView):
     """Weights stay fp32; forward runs under torch.autocast in the low dtype."""
 
     def forward_context(self, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
-        return guarded(torch.autocast(_device_type(device), dtype=self.autocast_dtype))
+        return guarded(torch.autocast(device_type(device), dtype=self.autocast_dtype))
 
     def convert_input(self, data: Any) -> Any:
         # Fabric casts inputs to the autocast dtype; autocast casts them again where needed.
@@ -39,7 +39,7 @@ class Fp16Mixed(MixedMode):
     requirements = "CUDA for speed; runs on CPU (torch >= 2.3) without native fp16 units"
 
     def make_scaler(self, device: str | torch.device = "cpu") -> torch.amp.GradScaler:
-        return torch.amp.GradScaler(_device_type(device))
+        return torch.amp.GradScaler(device_type(device))
 
 
 class Bf16Mixed(MixedMode):

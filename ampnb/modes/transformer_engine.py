@@ -15,10 +15,10 @@ from ampnb.display import dtype_name
 from ampnb.modes.base import (
     Availability,
     PrecisionMode,
-    _cuda_present,
-    _device_type,
     cast_floats,
+    cuda_present,
     default_dtype,
+    device_type,
 )
 from ampnb.modes.view import ModeView
 
@@ -53,7 +53,7 @@ class TransformerEngine(PrecisionMode, ModeView):
             return te_forward_context(self.recipe, self.param_dtype, self.fallback_dtype)
         from ampnb.fp8.autocast import emulated_fp8_context
 
-        return emulated_fp8_context(_device_type(device), self.param_dtype, self.fallback_dtype)
+        return emulated_fp8_context(device_type(device), self.param_dtype, self.fallback_dtype)
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         return default_dtype(self.param_dtype)
@@ -77,7 +77,7 @@ class TransformerEngine(PrecisionMode, ModeView):
         return cast_floats(data, self.param_dtype)
 
     def availability(self, device: str | torch.device = "cpu") -> Availability:
-        found = _cuda_present(device)
+        found = cuda_present(device)
         if not found.ok:
             return found
         from ampnb.fp8.te import te_status
