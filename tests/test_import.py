@@ -288,6 +288,24 @@ def test_no_two_rooms_import_each_other():
     assert not found, "rooms importing each other:\n" + "\n".join(found)
 
 
+# A lazy-export table imports its modules on first use; these entries name a room that imports
+# the table's own room (so they are not counted as imports above). Add none: move the code.
+LAZY_NAMES_FROM_ABOVE = {("fp8", "comparison"), ("fp8", "lowbit")}
+
+
+def test_lazy_tables_name_no_room_above_their_own_but_the_known():
+    modules, imports = _modules(), room_imports()
+    reach = {r: _reachable(set(imports), r) for r in {r for e in imports for r in e}}
+    found = set()
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in modules:
+                a, b = _room(name), _room(node.value)
+                if a and b and a != b and a in reach.get(b, ()):
+                    found.add((a, b))
+    assert found == LAZY_NAMES_FROM_ABOVE
+
+
 def test_the_design_page_names_every_public_name():
     design = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
     surface = design.split("## Public surface", 1)[1].split("\n## ", 1)[0]
