@@ -285,8 +285,9 @@ class Watch:
             self._token = self._grads()
             if s.stats and s.first is None and s.grads_first is None:
                 s.grads_first = summary.grads_module(self._modules, self._stats)
-            if s.stats and self._scaler is not None:  # still scaled; a skipped step's are
-                s.read_grads(self._modules, self._stats, s.scale or 1.0)  # gone by its end
+            if s.stats and self._scaler is not None:  # still scaled (unscaled here); a
+                # skipped step's are gone by the time its end is seen (zero_grad)
+                s.read_grads(self._modules, self._stats, s.scale or 1.0)
         return after
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -296,7 +297,7 @@ class Watch:
         found = getattr(optimizer, "found_inf", None)
         if self._scaler is not None and isinstance(found, torch.Tensor):
             s.found_inf = found  # read when the record is made
-        if s.stats:
+        if s.stats and not s.grads_read:  # with a GradScaler: read as backward left them
             scaled = isinstance(getattr(optimizer, "grad_scale", None), torch.Tensor)
             s.read_grads(self._modules, self._stats, s.scale if scaled and s.scale else 1.0)
         if self._scaler is None and (s.stats or self._keeping):
