@@ -20,6 +20,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from ampnb._checks import needs_module, shown
 from ampnb._interrupt import Guard, deferred
 from ampnb._weak import WeakIdMap
 from ampnb.display import Table, TableView
@@ -48,18 +49,6 @@ def _cast_own(m: nn.Module, dtype: torch.dtype) -> None:
 def is_batchnorm(m: nn.Module) -> bool:
     """A batch norm APEX keeps in fp32 (keep_batchnorm_fp32): an affine _BatchNorm."""
     return isinstance(m, nn.modules.batchnorm._BatchNorm) and m.affine
-
-
-def shown(value: Any) -> str:
-    """A bad value for a one-line message: its repr when short, else its type."""
-    text = repr(value)
-    return text if len(text) <= 40 and "\n" not in text else f"a {type(value).__name__}"
-
-
-def needs_module(module: Any, call: str) -> None:
-    """ValueError naming the bad value unless module is an nn.Module."""
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"{call} got {shown(module)}; allowed: an nn.Module")
 
 
 def half_except_batchnorm(module: nn.Module) -> nn.Module:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ampnb import apex
+from ampnb._checks import needs_module
 from ampnb.display import Table
 from ampnb.modes.base import Availability, PrecisionMode, cast_floats, device_type
 from ampnb.modes.mixed import Fp16Mixed
@@ -49,7 +50,7 @@ class ApexO2(_Legacy, PrecisionMode, ModeView):
     requirements = Fp16Mixed.requirements
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        apex.needs_module(module, f"{self.name} convert_module")
+        needs_module(module, f"{self.name} convert_module")
         return apex.half_except_batchnorm(module)
 
     def convert_input(self, data: Any) -> Any:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ampnb import apex
+from ampnb._checks import needs_module
 from ampnb._interrupt import Guard
 from ampnb._tree import map_tensors
 from ampnb.fp16_kernels import Fp16Kernels, fp16_kernel_context
@@ -126,7 +126,7 @@ class PrecisionMode:
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Return the module in this mode's parameter dtype (in place, as nn.Module.to)."""
-        apex.needs_module(module, f"{self.name} convert_module")
+        needs_module(module, f"{self.name} convert_module")
         return module
 
     def convert_input(self, data: Any) -> Any:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ampnb import apex
+from ampnb._checks import needs_module
 from ampnb.display import dtype_name
 from ampnb.modes.base import (
     Availability,
@@ -61,7 +61,7 @@ class TransformerEngine(PrecisionMode, ModeView):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Swap Linear and LayerNorm layers for TE's (real where it runs, else emulated), then cast
         the weights; a model that already has TE layers is left as it is, as Lightning does."""
-        apex.needs_module(module, f"{self.name} convert_module")
+        needs_module(module, f"{self.name} convert_module")
         if self.replace_layers is False:
             return module.to(dtype=self.param_dtype)
         param = next(module.parameters(), None)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb import apex
+from ampnb._checks import needs_module
 from ampnb.modes.base import (
     BF16_REQUIREMENTS,
     Availability,
@@ -30,7 +30,7 @@ class TrueMode(PrecisionMode, ModeView):
         return default_dtype(self.param_dtype)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        apex.needs_module(module, f"{self.name} convert_module")
+        needs_module(module, f"{self.name} convert_module")
         return module.to(dtype=self.param_dtype)
 
     def convert_input(self, data: Any) -> Any:
