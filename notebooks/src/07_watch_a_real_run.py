@@ -461,8 +461,9 @@ display(w.table(), w16.table())
 first = next(r for r in w.records if r.skipped)
 print("first skipped step:", first.step, "| named:", first.first_module, f"({first.first_phase})")
 early = [r for r in w16.records[:SHIFT] if r.skipped]
-print("at 2^16, steps skipped before the shard?", bool(early), "| where:",
-      sorted({f"{r.first_module} ({r.first_phase})" for r in early}))
-# At 2^16 the scaled gradients overflow in backward: the scaler backs off until they fit
-# (each of those skips names the layer whose backward overflowed first: the head, where backward
-# starts), then runs clean until the shard's forward overflow.
+print("at 2^16, steps skipped before the shard?", bool(early), "| named on statistics steps:",
+      sorted({f"{r.first_module} ({r.first_phase})" for r in early if r.first_module}))
+# At 2^16 the scaled gradients overflow in backward: the scaler backs off until they fit, then
+# runs clean until the shard's forward overflow. A skip on a statistics step (every=4) names the
+# layer whose backward overflowed first (the head, where backward starts); a skip between them
+# is counted, not named: the watch does no per-module work there.
