@@ -40,7 +40,7 @@ class Store(Mapping):
             self.near[name] = t
         elif size <= self.host_left:
             self.host_left -= size
-            self.near[name] = t.to("cpu").pin_memory() if torch.cuda.is_available() else t.cpu()
+            self.near[name] = t.to("cpu").pin_memory()  # host_left > 0 only for a CUDA run
         else:
             self.disk.put(name, t.cpu())
 
