@@ -132,7 +132,6 @@ class TorchState:
     torch_function_mode_depth: object = None
     saved_tensors_hooks: object = None  # the innermost default (pack, unpack) pair, or None
     product_kernels: tuple = ()  # see _product_kernels
-    autograd_engine: tuple = ()  # the engine call a %%amp cell wraps (ampnb.step): put back?
 
 
 def _global_module_hooks() -> int:
@@ -169,6 +168,4 @@ def snapshot() -> TorchState:
         torch_function_mode_depth=_call("_C._len_torch_function_stack"),
         saved_tensors_hooks=_call("_C._autograd._top_saved_tensors_default_hooks", False),
         product_kernels=_product_kernels(),
-        autograd_engine=(id(getattr(torch.autograd, "_engine_run_backward", None)),
-                         id(torch.autograd.variable.Variable._execution_engine)),
     )
