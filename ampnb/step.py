@@ -10,18 +10,17 @@ Every ampnb runner calls `train_step` (or `forward_loss` + the mode's hooks) ins
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.variable import Variable
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampnb._interrupt import Guard
+from ampnb.backwards import seen_everywhere
 from ampnb.batch import Batch, step_loss
 from ampnb.device import TF32Setting, tf32_context
 from ampnb.fp16_kernels import Fp16Kernels
@@ -72,71 +71,27 @@ def all_of(contexts: Iterable[contextlib.AbstractContextManager]) -> Guard:
 # ----- backward outside autocast, no stale autocast cache --------------------------------------
 
 
-def _autocast_off_backward(run_backward: Callable[..., Any], thread: int) -> Callable[..., Any]:
-    """autograd's engine call, run with autocast off in `thread` (what torch's recipe asks)."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # noqa: F841 - IPython shows the user's frames, not this one
-        if threading.get_ident() != thread:
-            return run_backward(*args, **kwargs)
-        on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
-        if not on:
-            return run_backward(*args, **kwargs)
-        # the forward's cached casts end where its backward starts (leaving the recipe's
-        # autocast region drops them): the update that follows would make them stale
-        torch.clear_autocast_cache()
-        with contextlib.ExitStack() as stack:
-            for d in on:
-                stack.enter_context(torch.autocast(d, enabled=False))
-            return run_backward(*args, **kwargs)
-
-    return run
+@contextlib.contextmanager
+def _autocast_off(devices: list[str]) -> Iterator[None]:
+    # the forward's cached casts end where its backward starts (leaving the recipe's
+    # autocast region drops them): the update that follows would make them stale
+    torch.clear_autocast_cache()
+    with contextlib.ExitStack() as stack:
+        for d in devices:
+            stack.enter_context(torch.autocast(d, enabled=False))
+        yield
 
 
-# (autograd's engine call, the thread whose backward calls it affects) -> the call to install
-EngineWrap = Callable[[Callable[..., Any], int], Callable[..., Any]]
-
-
-class _Engine:
-    """torch < 2.4: the engine object, its run_backward wrapped (the rest as it is)."""
-
-    def __init__(self, engine: Any, thread: int, wrap: EngineWrap) -> None:
-        self._engine = engine
-        self.run_backward = wrap(engine.run_backward, thread)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-
-# Tensor.backward, torch.autograd.backward and torch.autograd.grad all reach autograd's engine
-# through torch.autograd._engine_run_backward (torch >= 2.4; before, the engine object): one
-# place covers every spelling. Wrapped in the middle of the stack, the wrapper's frame is one
-# IPython hides; the engine's own frame stays the last one shown.
-_NEW_ENGINE_CALL = hasattr(torch.autograd, "_engine_run_backward")
-
-
-def _engine_in(wrap: EngineWrap = _autocast_off_backward) -> Any:
-    """Install wrap(autograd's engine call, this thread); returns what _engine_out puts back
-    (the autocast-off backward by default; `ampnb.watch` sees each backward's roots)."""
-    thread = threading.get_ident()
-    if _NEW_ENGINE_CALL:
-        previous = torch.autograd._engine_run_backward
-        torch.autograd._engine_run_backward = wrap(previous, thread)
-    else:
-        previous = Variable._execution_engine
-        Variable._execution_engine = _Engine(previous, thread, wrap)
-    return previous
-
-
-def _engine_out(previous: Any) -> None:
-    if _NEW_ENGINE_CALL:
-        torch.autograd._engine_run_backward = previous
-    else:
-        Variable._execution_engine = previous
+def _outside_autocast(call: Callable[..., Any], roots: list[torch.Tensor]
+                      ) -> contextlib.AbstractContextManager | None:
+    on = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+    return _autocast_off(on) if on else None
 
 
 def backward_outside_autocast() -> Guard:
-    """Autograd's backward runs with autocast off while the body runs (in this thread)."""
-    return Guard(_engine_in, _engine_out)
+    """Every backward the body's code starts (Tensor.backward, autograd.backward, autograd.grad)
+    runs with autocast off, as torch's recipe asks (in this thread; `ampnb.backwards`)."""
+    return seen_everywhere(_outside_autocast)
 
 
 def _clear_cache(*_: Any) -> None:

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 
 from ampnb.instruments.trace import trace_ops
 from tests._magics_kit import amp, shell_with_ampnb
@@ -137,14 +138,10 @@ def test_a_kept_module_is_fp32_in_forward_and_backward(ip):
     assert any(r.output_dtype == "float16" for r in body)  # the rest is fp16 as the mode says
 
 
-def test_the_cell_leaves_autocast_and_the_engine_as_they_were(ip):
-    from torch.autograd.variable import Variable
-
-    engine, call = Variable._execution_engine, getattr(torch.autograd, "_engine_run_backward", None)
+def test_the_cell_leaves_autocast_and_the_mode_stack_as_they_were(ip):
     with pytest.raises(ZeroDivisionError):
         amp(ip, "bf16-mixed", "lin(x).sum().backward()\n1 / 0")
-    assert Variable._execution_engine is engine
-    assert getattr(torch.autograd, "_engine_run_backward", None) is call
+    assert _get_current_function_mode_stack() == []
     assert not torch.is_autocast_enabled("cpu") and torch.is_autocast_cache_enabled()
 
 
@@ -256,10 +253,9 @@ def test_deberta_v2_attention_trains_as_the_recipe_bit_for_bit(ip):
         ip.user_ns.pop(name, None)
 
 
-def test_a_watch_sees_a_loop_run_in_a_cell_and_both_leave_the_engine_as_it_was(ip):
+def test_a_watch_sees_a_loop_run_in_a_cell_and_both_leave_the_mode_stack_as_it_was(ip):
     import ampnb
 
-    engine = torch.autograd._engine_run_backward
     net = _net()
     xs, ys = torch.randn(32, 16), torch.randn(32, 4)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
@@ -272,15 +268,14 @@ def test_a_watch_sees_a_loop_run_in_a_cell_and_both_leave_the_engine_as_it_was(i
         amp(ip, "bf16-mixed", cell)
     assert [r.micro_batches for r in w.records] == [1, 1, 1]
     assert all(r.loss == r.loss and not r.nonfinite for r in w.records)
-    assert torch.autograd._engine_run_backward is engine
+    assert _get_current_function_mode_stack() == []
 
 
 def test_a_watch_opened_in_one_cell_sees_the_loop_of_the_next(ip):
-    """The first cell's end puts back the engine call it found, dropping the watch's: the watch
-    installs it again at the next step's start; closing leaves the engine call as it was."""
+    """The first cell's end leaves the watch's listener (and the mode that serves it) in place;
+    closing the watch leaves the mode stack as it was."""
     import ampnb
 
-    engine = torch.autograd._engine_run_backward
     net = _net()
     ip.user_ns.update(net=net, xs=torch.randn(32, 16), ys=torch.randn(32, 4), ampnb=ampnb,
                       opt=torch.optim.SGD(net.parameters(), lr=0.05))
@@ -293,5 +288,5 @@ def test_a_watch_opened_in_one_cell_sees_the_loop_of_the_next(ip):
     w.close()
     assert [r.micro_batches for r in w.records] == [1, 1, 1]
     assert all(r.loss == r.loss for r in w.records)
-    assert torch.autograd._engine_run_backward is engine
+    assert _get_current_function_mode_stack() == []
     ip.user_ns.pop("ampnb", None)

@@ -3,8 +3,9 @@
 Hooks only, the loop unchanged and nothing of it run twice: a forward pre-hook on the model (and
 its children), forward hooks on every module on statistics steps (tensor hooks on their
 outputs), the optimizer's step pre/post hooks, the scaler read through `get_scale()` only, and
-each backward's roots (its losses) from the one engine-call hook every watch shares
-(backward.py says why that one is not public). A step ends at the optimizer's step post hook; a
+each backward's roots (its losses) through `ampnb.backwards`' TorchFunctionMode, which the
+watch's own forward and step hooks keep off the stack while the model's forward and the
+optimizer's step run. A step ends at the optimizer's step post hook; a
 step the GradScaler skipped (it never calls optimizer.step, unless fused: then its found_inf says
 so) is seen to have ended at the next forward (its gradients reset, or the scale backed off), or
 at `close()`/`records`. Without a GradScaler nothing is read back from the device between
@@ -24,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb import _interrupt
+from ampnb import _interrupt, backwards
 from ampnb._interrupt import Guard, critical
 from ampnb._tree import map_tensors
 from ampnb.start import param_dtype
 from ampnb.step import _AUTOCAST_DEVICES
-from ampnb.watch import backward, inputs, overflow, summary
+from ampnb.watch import inputs, overflow, summary
 from ampnb.watch.hooks import Hook, StepState, fast_probe, float_outputs, module_names
 from ampnb.watch.records import StepRecord, log_path, write
 
@@ -164,7 +165,8 @@ class Watch:
             opt = self._optimizer
             undo.append(opt.register_step_pre_hook(Hook(self._pre_step)).remove)
             undo.append(opt.register_step_post_hook(Hook(self._post_step)).remove)
-            undo.append(backward.listen(self._on_backward))
+            undo.append(backwards.listen(self._on_backward))
+            undo.append(backwards.release)  # a forward an interrupt cut: its mode back
             if self.log_dir is not None:
                 self._tb = _tensorboard(self.log_dir, self.rank)
         except BaseException:
@@ -227,6 +229,7 @@ class Watch:
             self._finish(skipped=self._scaler is not None)
 
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        backwards.suspend(module)  # off the stack through the forward: no backward starts there
         # inside another entry's forward (the model's, calling its children); validation,
         # inference. The same entry again is a new call: its end hook, which torch runs on
         # exceptions but not on a KeyboardInterrupt, may not have run
@@ -235,8 +238,6 @@ class Watch:
             return
         self._settle()
         self._entered = module
-        if self._state is None:  # once a step: a cell's context may have dropped it
-            backward.ensure()
         s = self._current()
         self._fresh = True
         if math.isnan(s.t0):
@@ -250,6 +251,7 @@ class Watch:
             s.entries.append(self._entries[id(module)])
 
     def _on_forward_end(self, module: nn.Module, args: Any, out: Any) -> None:
+        backwards.resume(module)
         if self._entered is not module:
             return
         self._entered = None
@@ -269,10 +271,11 @@ class Watch:
         s = self._state or self._current()
         s.on_output(i, s.stats and i in self._stat_set, args, out)
 
-    def _on_backward(self, roots: list[torch.Tensor]) -> Callable[[], None] | None:
+    def _on_backward(self, call: Any, roots: list[torch.Tensor]) -> _After | None:
         """A backward starts from `roots`: one of this step's micro-batches, if this watch's
-        model ran a forward since the last one counted (else another model's)."""
-        if not self._fresh:
+        model ran a forward since the last one counted (else another model's, or an
+        autograd.grad: no step's gradients)."""
+        if not self._fresh or call is backwards.GRAD:
             return None
         self._fresh = False
         s = self._current()
@@ -288,9 +291,10 @@ class Watch:
             if s.stats and self._scaler is not None:  # still scaled (unscaled here); a
                 # skipped step's are gone by the time its end is seen (zero_grad)
                 s.read_grads(self._modules, self._stats, s.scale or 1.0)
-        return after
+        return _After(after)
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        backwards.suspend(optimizer)  # off the stack through the update
         s = self._current()
         # A GradScaler hands an optimizer that unscales inside its own (fused) step the scale
         # and its found_inf as these two attributes, and calls its step even to skip it
@@ -315,6 +319,7 @@ class Watch:
                         if p.grad is not None and p.dtype in _NARROW]
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        backwards.resume(optimizer)
         self._finish(skipped=False)
 
     @staticmethod
@@ -369,6 +374,20 @@ class Watch:
                 self._tb.write(record)
         except OSError as e:  # a full disk must not end the training
             warnings.warn(f"ampnb.watch could not write to {self.log_dir}: {e}", stacklevel=3)
+
+
+class _After:
+    """A context that calls fn when its body (a backward) ran without an error."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is None:
+            self.fn()
 
 
 def _keep_grad(grads: list, k: int, g: torch.Tensor) -> None:
