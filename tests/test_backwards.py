@@ -74,7 +74,7 @@ def test_the_mode_leaves_the_stack_when_the_body_raises_and_a_users_mode_is_kept
     with Mine() as mine:
         with pytest.raises(ZeroDivisionError), backward_outside_autocast():
             assert len(_get_current_function_mode_stack()) == 2
-            1 / 0
+            _ = 1 / 0
         assert _get_current_function_mode_stack() == [mine]
     assert _state.snapshot() == start
 
