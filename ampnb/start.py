@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import random
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +21,7 @@ from ampnb._interrupt import Guard
 from ampnb.apex import is_batchnorm, master_of
 from ampnb.display import dtype_name
 from ampnb.modes import PrecisionMode
+from ampnb.putback import Grads, Rng
 
 _NARROW = (torch.float16, torch.bfloat16)
 
@@ -127,54 +126,6 @@ def param_dtype(model: nn.Module, mostly: bool = False) -> torch.dtype:
     return dtypes.pop()
 
 
-def _cuda_live() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
-def _numpy() -> Any:
-    """numpy's module when the user's code has imported it (ampnb never imports it itself)."""
-    return sys.modules.get("numpy")
-
-
-@dataclass(frozen=True, eq=False)
-class Rng:
-    """Every generator a model's forward may draw from: torch's CPU generator, every CUDA
-    generator once CUDA is up, numpy's global one (once imported) and Python's `random`."""
-
-    cpu: torch.Tensor
-    cuda: list[torch.Tensor] | None
-    numpy: Any = None
-    python: Any = None
-
-    @classmethod
-    def take(cls) -> Rng:
-        np = _numpy()
-        return cls(torch.get_rng_state(), torch.cuda.get_rng_state_all() if _cuda_live() else None,
-                   np.random.get_state() if np is not None else None, random.getstate())
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        np = _numpy()
-        if np is not None and self.numpy is not None:
-            np.random.set_state(self.numpy)
-        if self.python is not None:
-            random.setstate(self.python)
-
-
-def seed(value: int, device: str) -> None:
-    """Seed every generator a run draws from, alike in each run: torch's (CUDA's when the run is
-    on CUDA), numpy's global one (SpecAugment-style masks) and Python's `random`."""
-    torch.default_generator.manual_seed(value)
-    if torch.device(device).type == "cuda":
-        torch.cuda.manual_seed_all(value)
-    np = _numpy()
-    if np is not None:
-        np.random.seed(value % 2**32)
-    random.seed(value)
-
-
 def check_optimizer(model: nn.Module, optimizer: Any) -> None:
     """ValueError unless optimizer is a torch Optimizer over (some of) the model's parameters."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -250,20 +201,15 @@ class Aside:
     """The user's gradients and optimizer state, put on disk while a runner works on copies (so
     the process holds one model's training memory, not two), and put back exactly after."""
 
-    model: nn.Module
+    grads: Grads
     optimizer: torch.optim.Optimizer | None
-    path: str
     master: Master
 
     @classmethod
     def take(cls, start: Start, user_optimizer: torch.optim.Optimizer | None, path: str) -> Aside:
         """Save the gradients to `path`, then drop them and the optimizer's state (the snapshot
         already holds that state)."""
-        grads = {n: p.grad for n, p in start.model.named_parameters() if p.grad is not None}
-        torch.save(grads, path)
-        found = cls(start.model, user_optimizer, path, start.master)
-        for p in start.model.parameters():
-            p.grad = None
+        found = cls(Grads.take(start.model, path), user_optimizer, start.master)
         if user_optimizer is not None:
             user_optimizer.state.clear()
         return found
@@ -272,10 +218,7 @@ class Aside:
         """Gradients and optimizer state as they were (the same values, new tensors)."""
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.master.optimizer_state())
-        grads = torch.load(self.path, weights_only=True)
-        for n, p in self.model.named_parameters():
-            if n in grads:
-                p.grad = grads[n]
+        self.grads.restore()
 
 
 def set_aside(start: Start, user_optimizer: torch.optim.Optimizer | None, path: str) -> Guard:

@@ -178,13 +178,11 @@ def test_profile_step_splits_op_time_by_dtype():
 
 def test_restore_pops_a_dispatch_mode_left_behind():
     """The safety net: a mode pushed inside torch's set-up and never popped is popped on exit."""
-    from ampnb._interrupt import Guard
-    from ampnb.diagnosis.safety import restore_state as _restore
-    from ampnb.diagnosis.safety import save_state as _save
     from ampnb.fp16_kernels import Fp16KernelEmulation
+    from ampnb.putback import globals_kept
 
     state = snapshot()
-    with Guard(_save, _restore):
+    with globals_kept():
         Fp16KernelEmulation().__enter__()  # as if an interrupt cut its with-block short
         torch.set_default_dtype(torch.float64)
         assert snapshot() != state

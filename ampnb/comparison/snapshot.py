@@ -4,17 +4,14 @@
 model and an optimizer it never names, so everything reachable from the namespace (its
 values, and what plain containers, dataclasses and ModelOutputs there hold) is saved:
 modules' parameters, buffers, gradients and train/eval flags, optimizers, GradScalers, LR
-schedulers, free tensors, Python's and NumPy's RNG, and the namespace's own bindings.
+schedulers, free tensors, every RNG, and the namespace's own bindings. The copies and their
+putting back are `ampnb.putback`'s; what is reached, and how, is decided here.
 """
 
 from __future__ import annotations
 
-import copy
-import random
-import sys
 import types
 from collections.abc import Iterable, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,123 +19,12 @@ from torch import nn
 
 from ampnb._tree import named_leaves
 from ampnb.modes import PrecisionMode
+from ampnb.putback import ModuleFlags, ObjectCopy, OptimizerCopy, Rng, TensorCopy, version
 from ampnb.selective import matching_modules
 
 TENSOR_BUDGET = 256 * 2**20  # free tensors copied up to this many bytes; larger ones are watched
 _SKIP = {"In", "Out", "exit", "quit", "get_ipython"}
 _OBJECTS = (torch.optim.Optimizer, torch.amp.GradScaler, torch.optim.lr_scheduler.LRScheduler)
-
-
-@dataclass
-class _Saved:
-    """One tensor's content and autograd fields as they were."""
-
-    tensor: torch.Tensor
-    data: torch.Tensor
-    grad: torch.Tensor | None
-    requires_grad: bool
-    version: int | None
-    ptr: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> _Saved:
-        grad = t.grad.detach().clone() if t.is_leaf and t.grad is not None else None
-        return cls(t, t.detach().clone(), grad, t.requires_grad, _version(t), t.data_ptr())
-
-    def restore(self) -> None:
-        t = self.tensor
-        if t.is_leaf and (t.grad is not None or self.grad is not None):
-            t.grad = None
-        same = (t.dtype, t.shape, t.device) == (self.data.dtype, self.data.shape, self.data.device)
-        if not same:
-            t.data = self.data.clone()
-        else:  # always: some kernels (BatchNorm's running stats) write without a version bump
-            with torch.no_grad():
-                t.copy_(self.data)
-        if t.is_leaf:
-            t.requires_grad_(self.requires_grad)
-            if self.grad is not None:
-                t.grad = self.grad.clone()
-        self.version, self.ptr = _version(t), t.data_ptr()
-
-    def changed(self) -> bool:
-        t = self.tensor
-        return _version(t) != self.version or t.data_ptr() != self.ptr or t.dtype != self.data.dtype
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return None
-
-
-class _ModuleFlags:
-    """A module's parameter/buffer slots and train flag (the objects, not their values)."""
-
-    def __init__(self, m: nn.Module) -> None:
-        self.module, self.training = m, m.training
-        self.params, self.buffers = dict(m._parameters), dict(m._buffers)
-
-    def restore(self) -> None:
-        m = self.module
-        m.training = self.training
-        if _rebound(m._parameters, self.params):  # the cell rebound a slot: put the original back
-            m._parameters.clear()
-            m._parameters.update(self.params)
-        if _rebound(m._buffers, self.buffers):
-            m._buffers.clear()
-            m._buffers.update(self.buffers)
-
-
-def _rebound(now: dict[str, Any], saved: dict[str, Any]) -> bool:
-    return now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items())
-
-
-def _clone(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-
-
-class _OptimizerState:
-    """An optimizer's per-parameter state and param_groups (the Parameters kept by identity)."""
-
-    def __init__(self, opt: torch.optim.Optimizer) -> None:
-        self.opt = opt
-        self.state = {p: {k: _clone(v) for k, v in s.items()} for p, s in opt.state.items()}
-        self.groups = [{k: (list(v) if k == "params" else copy.deepcopy(v)) for k, v in g.items()}
-                       for g in opt.param_groups]
-
-    def restore(self) -> None:
-        self.opt.state.clear()
-        self.opt.state.update({p: {k: _clone(v) for k, v in s.items()}
-                               for p, s in self.state.items()})
-        self.opt.param_groups[:] = [{k: (list(v) if k == "params" else copy.deepcopy(v))
-                                     for k, v in g.items()} for g in self.groups]
-
-
-class _ObjectState:
-    """A GradScaler's or LR scheduler's attributes; the objects in `shared` kept by identity."""
-
-    def __init__(self, obj: Any, shared: dict[int, Any]) -> None:
-        self.obj, self.shared = obj, shared
-        self.saved = copy.deepcopy(dict(vars(obj)), dict(shared))
-
-    def restore(self) -> None:
-        attrs = vars(self.obj)
-        attrs.clear()
-        attrs.update(copy.deepcopy(self.saved, dict(self.shared)))
-
-
-def _rng() -> tuple[Any, Any]:
-    np = sys.modules.get("numpy")
-    return random.getstate(), (np.random.get_state() if np is not None else None)
-
-
-def _set_rng(state: tuple[Any, Any]) -> None:
-    random.setstate(state[0])
-    np = sys.modules.get("numpy")
-    if np is not None and state[1] is not None:
-        np.random.set_state(state[1])
 
 
 def _walk(value: Any, name: str) -> list[tuple[str, Any]]:
@@ -217,7 +103,7 @@ class StartState:
     def __init__(self, ns: MutableMapping[str, Any], used: Iterable[str] = ()) -> None:
         self.ns, self.used = ns, set(used)
         self.bindings = dict(ns)
-        self.rng = _rng()
+        self.rng = Rng.take()
         self.found: dict[str, str] = {}  # name -> what kind of state it holds
         self.modules: dict[int, nn.Module] = {}
         self.objects: list[Any] = []
@@ -242,24 +128,24 @@ class StartState:
         self._save(list(seen.values()))
 
     def _save(self, items: list[tuple[str, Any]]) -> None:
-        tensors: dict[int, _Saved] = {}
+        tensors: dict[int, TensorCopy] = {}
         flags = []
         for path, obj in items:
             if isinstance(obj, nn.Module):
                 self.modules[id(obj)] = obj
                 for m in obj.modules():
-                    flags.append(_ModuleFlags(m))
+                    flags.append(ModuleFlags.take(m))
                 for t in [*obj.parameters(), *obj.buffers()]:
-                    tensors.setdefault(id(t), _Saved.of(t))
+                    tensors.setdefault(id(t), TensorCopy.take(t))
                 self.found[path] = type(obj).__name__
             elif isinstance(obj, torch.optim.Optimizer):
                 for g in obj.param_groups:
                     for p in g["params"]:
-                        tensors.setdefault(id(p), _Saved.of(p))
-                self.objects.append(_OptimizerState(obj))
+                        tensors.setdefault(id(p), TensorCopy.take(p))
+                self.objects.append(OptimizerCopy.take(obj))
                 self.found[path] = type(obj).__name__
             elif not isinstance(obj, torch.Tensor):
-                self.objects.append(_ObjectState(obj, self.memo))
+                self.objects.append(ObjectCopy.take(obj, self.memo))
                 self.found[path] = type(obj).__name__
         budget = TENSOR_BUDGET
         self.watched: dict[str, tuple[torch.Tensor, int | None]] = {}
@@ -268,9 +154,9 @@ class StartState:
                 size = obj.numel() * obj.element_size()
                 if size <= budget:
                     budget -= size
-                    tensors[id(obj)] = _Saved.of(obj)
+                    tensors[id(obj)] = TensorCopy.take(obj)
                 else:
-                    self.watched[path] = (obj, _version(obj))
+                    self.watched[path] = (obj, version(obj))
         self.flags = flags
         self.tensors = list(tensors.values())
         roots = set(self.modules)
@@ -292,7 +178,7 @@ class StartState:
             t.restore()
         for o in self.objects:
             o.restore()
-        _set_rng(self.rng)
+        self.rng.restore()
 
     def convert(self, mode: PrecisionMode) -> list[str]:
         """Convert the modules (convert_module) and the inputs the cell uses (convert_input).
@@ -329,7 +215,7 @@ class StartState:
 
     def unrestored(self) -> list[str]:
         """Large tensors the runs changed in place (watched, too large to copy)."""
-        return [p for p, (t, v) in self.watched.items() if _version(t) != v]
+        return [p for p, (t, v) in self.watched.items() if version(t) != v]
 
     def summary(self, limit: int = 8) -> str:
         """'model (GPT2LMHeadModel), opt (AdamW)'."""

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._interrupt import Guard
 from ampnb.batch import as_batch
 from ampnb.device import place
 from ampnb.diagnosis.arguments import check_model, check_options
@@ -23,7 +22,7 @@ from ampnb.diagnosis.pipeline import Settings, diagnose, plan
 from ampnb.diagnosis.recommend import Tolerance
 from ampnb.diagnosis.report import DoctorReport
 from ampnb.diagnosis.run import Setup
-from ampnb.diagnosis.safety import restore_state, save_state
+from ampnb.putback import globals_kept
 from ampnb.start import set_aside, started
 
 
@@ -103,7 +102,7 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     say = o.progress or Progress()
     aside = time.perf_counter()
-    with Guard(save_state, restore_state), tempfile.TemporaryDirectory(prefix="ampnb-doctor-") as scratch, \
+    with globals_kept(), tempfile.TemporaryDirectory(prefix="ampnb-doctor-") as scratch, \
             started(model, o.optimizer, os.path.join(scratch, "start.pt")) as start, \
             set_aside(start, o.optimizer, os.path.join(scratch, "grads.pt")):
         setup = Setup(start, data, loss_fn, dev, o.seed, step, scratch, cap=cap)

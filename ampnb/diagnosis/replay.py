@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._interrupt import Guard
 from ampnb.batch import Batch, model_loss
 from ampnb.display import Table, TableView
+from ampnb.putback import Rng, rng_kept
 
 
 def _load(path: str | os.PathLike) -> dict[str, Any]:
@@ -118,12 +118,11 @@ class Replay(TableView):
 
     def _hunt(self, rng: dict[str, Any] | None) -> tuple[int | None, Any]:
         from ampnb.instruments.hunt import find_nonfinite
-        from ampnb.watch.overflow import rng_states, set_rng_states
 
         found = None
-        with Guard(rng_states, set_rng_states):  # the caller's RNG is put back afterwards
+        with rng_kept():  # the caller's RNG is put back afterwards
             if rng is not None:
-                set_rng_states(rng)
+                Rng.from_dict(rng).restore()
             for k, (entry, batch) in enumerate(zip(self.entries, self.batches)):
                 found = find_nonfinite(self._step, entry, batch, self.out_grads[k])
                 if found or found.op:
@@ -136,11 +135,10 @@ class Replay(TableView):
     def report(self) -> Any:
         """`ampnb.doctor` on the kept micro-batch (the model's own loss, or loss_fn)."""
         from ampnb.diagnosis.core import doctor
-        from ampnb.watch.overflow import rng_states, set_rng_states
 
         k = self.micro_batch or 0
         entry, batch = self.entries[k], self.batches[k]
-        with Guard(rng_states, set_rng_states), torch.no_grad():  # does the model give a loss?
+        with rng_kept(), torch.no_grad():  # does the model give a loss?
             own = self.loss_fn is None and model_loss(batch.call(entry)) is not None
         loss_fn = None if own else (lambda out, _targets: _loss(out, self.loss_fn))
         return doctor(entry, batch, loss_fn)

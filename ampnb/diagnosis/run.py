@@ -28,7 +28,8 @@ from ampnb.diagnosis.weights import eps_causes, narrow, weights, weights_left
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
-from ampnb.start import Rng, Start, seed
+from ampnb.putback import rng_kept, seed
+from ampnb.start import Start
 from ampnb.step import StepOutcome, forward_loss, train_step
 
 MIN_SCALE = 2.0**-8  # a loss scale below this means the gradients overflow whatever the scale
@@ -201,14 +202,12 @@ def _run_alone(module: nn.Module, inputs: Any, cand: Candidate, setup: Setup
     mode = cand.mode
     if not mode.is_mixed:  # a true mode computes in its weights' dtype: a converted copy
         module = mode.convert_module(copy.deepcopy(module))
-    rng = Rng.take()  # a module run aside must not move the reference's random stream
-    try:
-        with torch.no_grad(), cand.context(setup.device), mode.forward_context(setup.device):
-            return _first_floats(module(*mode.convert_input(args), **mode.convert_input(kwargs)))
-    except (RuntimeError, TypeError, ValueError):  # e.g. an op without a kernel for the dtype
-        return None
-    finally:
-        rng.restore()
+    with rng_kept():  # a module run aside must not move the reference's random stream
+        try:
+            with torch.no_grad(), cand.context(setup.device), mode.forward_context(setup.device):
+                return _first_floats(module(*mode.convert_input(args), **mode.convert_input(kwargs)))
+        except (RuntimeError, TypeError, ValueError):  # e.g. an op without a kernel for the dtype
+            return None
 
 
 class _Recorder:

@@ -9,8 +9,6 @@ drawing (their own `training` flag off: dropout-like behaviour only, children un
 
 from __future__ import annotations
 
-import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,33 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def _fingerprint() -> tuple[Any, ...]:
-    """The state of every generator a forward may draw from (compared, never kept long)."""
-    found: list[Any] = [torch.default_generator.get_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        found += [g.get_state() for g in torch.cuda.default_generators]
-    np = sys.modules.get("numpy")
-    if np is not None:
-        _, key, pos, *_ = np.random.get_state()
-        found += [key, pos]
-    found.append(random.getstate())
-    return tuple(found)
-
-
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b):
-        if isinstance(x, torch.Tensor):
-            if not torch.equal(x, y):
-                return False
-        elif hasattr(x, "shape"):  # numpy's key array
-            if not (x == y).all():
-                return False
-        elif x != y:
-            return False
-    return True
+from ampnb.putback import Rng
 
 
 class DrawFinder:
@@ -61,8 +33,8 @@ class DrawFinder:
 
     def _enter(self, name: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
-            now = _fingerprint()
-            if self.stack and not _same(self.stack[-1][1], now):
+            now = Rng.take()
+            if self.stack and not now.same(self.stack[-1][1]):
                 self.drew[self.stack[-1][0]] = None  # the parent drew before calling this child
             self.stack.append([name, now])
         return hook
@@ -72,8 +44,8 @@ class DrawFinder:
             if not self.stack:
                 return
             name, last = self.stack.pop()
-            now = _fingerprint()
-            if not _same(last, now):
+            now = Rng.take()
+            if not now.same(last):
                 self.drew[name] = None
             if self.stack:
                 self.stack[-1][1] = now  # a child's draws are its own

@@ -35,7 +35,7 @@ from ampnb.diagnosis.errors import Err, compare, flat, rel
 from ampnb.diagnosis.run import Setup, _copy, _keep
 from ampnb.diagnosis.tolerance import Tolerance
 from ampnb.diagnosis.weights import eps_causes
-from ampnb.start import seed
+from ampnb.putback import seed
 from ampnb.step import forward_loss, train_step
 from ampnb.workbench.state import nonfinite_params
 

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._interrupt import Guard
 from ampnb.batch import as_batch
 from ampnb.device import get_device, support_table
 from ampnb.diagnosis.candidates import candidates
@@ -18,6 +17,7 @@ from ampnb.diagnosis.failures import expected
 from ampnb.diagnosis.profile import Profile, profile_run
 from ampnb.diagnosis.run import Setup, measure
 from ampnb.display import Table, TableView, format_percent, format_seconds
+from ampnb.putback import globals_kept
 from ampnb.start import started
 
 
@@ -53,7 +53,6 @@ def profile_step(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | Non
                  seed: int = 0, step: Callable[[nn.Module], Any] | None = None) -> Profiles:
     """Profile one training step per mode on a copy: op time by dtype, casts, unaligned matmuls."""
     from ampnb.diagnosis.arguments import check_model, check_options
-    from ampnb.diagnosis.safety import restore_state, save_state
 
     check_model(model, optimizer, 1)
     check_options(loss_fn, device, modes, seed)
@@ -61,7 +60,7 @@ def profile_step(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | Non
     cands, _ = candidates(modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     found = []
-    with Guard(save_state, restore_state), started(model, optimizer) as start:
+    with globals_kept(), started(model, optimizer) as start:
         setup = Setup(start, data, loss_fn, dev, seed, step)
         name = type(model).__name__
         for i, cand in enumerate(cands):  # the reference first: torch's errors explained there

@@ -20,8 +20,8 @@ from ampnb.modes import get_mode
 from ampnb.panels.base import Panel
 from ampnb.plots._axes import new_axes
 from ampnb.plots.ranges import RANGE_FORMATS, plot_layer_summary, plot_tensor_histogram
+from ampnb.putback import untouched
 from ampnb.step import StepSettings, forward_loss, step_context
-from ampnb.workbench.state import untouched
 
 ALL = "(all layers)"
 _SIZES = {"histogram": (8.0, 3.4), "summary_row": 0.28}

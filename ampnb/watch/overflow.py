@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import random
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from ampnb.putback import Rng
 
 FILE_NAME = "overflow.pt"
 FORMAT = 3
@@ -32,29 +33,8 @@ def target(path: str | os.PathLike) -> Path:
 
 
 def rng_states() -> dict[str, Any]:
-    """torch's CPU and (once up) CUDA generators, Python's random and numpy's, as they are."""
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        states["numpy"] = np.random.get_state()
-    except ImportError:  # numpy is optional
-        pass
-    return states
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    """Put back what rng_states() took (the generators that exist here)."""
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-    if "numpy" in states:
-        import numpy as np
-
-        np.random.set_state(states["numpy"])
+    """Every generator's state as the file keeps it (`ampnb.putback.Rng.as_dict`)."""
+    return Rng.take().as_dict()
 
 
 def autocast_as(autocast: list[tuple[str, torch.dtype]] | tuple) -> contextlib.ExitStack:

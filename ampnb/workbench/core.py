@@ -17,6 +17,7 @@ from ampnb.display import Table, TableView, dtype_name
 from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.putback import untouched
 from ampnb.selective import matching_modules, widen_kept
 from ampnb.start import Master, param_dtype
 from ampnb.step import StepSettings, forward_loss, step_context, train_step
@@ -28,7 +29,6 @@ from ampnb.workbench.state import (
     nonfinite_params,
     relink,
     repoint_optimizer,
-    untouched,
 )
 
 # A model's parameter dtype -> the true mode that already describes it (used when mode=None).

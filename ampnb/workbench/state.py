@@ -1,5 +1,6 @@
 """What the Workbench needs around switches: module links, re-pointed optimizers, all-or-nothing
-changes, traceless probes (the master copies themselves are `ampnb.start.Master`)."""
+changes (the master copies themselves are `ampnb.start.Master`; a traceless probe is
+`ampnb.putback.untouched`)."""
 
 from __future__ import annotations
 
@@ -55,33 +56,3 @@ def nonfinite_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
         if bool(torch.stack(amax).isfinite().all()):
             return ()
         return tuple(n for n, p in model.named_parameters() if not bool(p.isfinite().all()))
-
-
-def _leave(model: nn.Module) -> tuple[Any, ...]:
-    """Save what a probe's forward and backward change, and clear the grads for it."""
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b is not None}
-    grads = [(p, p.grad) for p in model.parameters()]
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
-    for p, _ in grads:
-        p.grad = None  # the probe's backward must not add into the last step's gradients
-    return model, buffers, grads, rng
-
-
-def _put_back(saved: tuple[Any, ...]) -> None:
-    model, buffers, grads, (cpu_rng, cuda_rng) = saved
-    live = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, value in buffers.items():
-            live[name].copy_(value)
-    for p, g in grads:
-        p.grad = g
-    torch.set_rng_state(cpu_rng)
-    if cuda_rng is not None:
-        torch.cuda.set_rng_state_all(cuda_rng)
-
-
-def untouched(model: nn.Module) -> Guard:
-    """`with untouched(model):` a probe without a trace: RNG streams, buffers (BatchNorm stats)
-    and grads are put back, also when it raises or is interrupted."""
-    return Guard(lambda: _leave(model), _put_back)
