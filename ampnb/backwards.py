@@ -79,8 +79,8 @@ class _Mode(TorchFunctionMode):
                 context = listener(func, found)
                 if context is not None:
                     stack.enter_context(context)
-            _here.inside = True
-            try:
+            try:  # set inside the try: an interrupt before it leaves nothing set
+                _here.inside = True
                 return func(*args, **kwargs)
             finally:
                 _here.inside = False

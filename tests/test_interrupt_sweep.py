@@ -77,6 +77,7 @@ CELLS = [
     ("64-true", "y = torch.ones(2)"),
     ("--compare 32-true,bf16-mixed --repeat 1", "y = lin(x)"),
     ("bf16-mixed --trace --hunt --memory", "lin(x).sum().backward()"),
+    ("bf16-mixed", "torch.autograd.backward(lin(x).sum())"),  # the backward's mode and hooks
     ("32-true --tf32 emulate", "y = lin(x)"),
     ("16-mixed --fp16-kernels emulated", "lin(x).float().sum().backward()"),
 ]
