@@ -247,11 +247,17 @@ def _numpy() -> Any:
     return sys.modules.get("numpy")
 
 
-def _same_numpy(a: Any, b: Any) -> bool:
+def _same_states(a: Any, b: Any) -> bool:
+    """Two generator states alike: torch's tensor, a list of them (CUDA), numpy's tuple, None."""
     if a is None or b is None:
         return a is b
-    return len(a) == len(b) and all(
-        bool((x == y).all()) if hasattr(x, "shape") else x == y for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if hasattr(a, "shape"):  # numpy's key array
+        return bool((a == b).all())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_states(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 @dataclass(frozen=True, eq=False)
@@ -266,11 +272,13 @@ class Rng:
 
     @classmethod
     def take(cls) -> Rng:
+        """Every generator's state now."""
         np = _numpy()
         return cls(torch.get_rng_state(), torch.cuda.get_rng_state_all() if _cuda_live() else None,
                    np.random.get_state() if np is not None else None, random.getstate())
 
     def restore(self) -> None:
+        """Every generator as taken."""
         torch.set_rng_state(self.cpu)
         if self.cuda is not None and torch.cuda.is_available():  # a GPU's file replayed on a CPU
             torch.cuda.set_rng_state_all(self.cuda)
@@ -282,11 +290,8 @@ class Rng:
 
     def same(self, other: Rng) -> bool:
         """Whether no generator has drawn between the two records."""
-        cuda = (self.cuda is None) == (other.cuda is None) and (self.cuda is None or (
-            len(self.cuda) == len(other.cuda) and all(
-                torch.equal(a, b) for a, b in zip(self.cuda, other.cuda))))
-        return (torch.equal(self.cpu, other.cpu) and cuda and self.python == other.python
-                and _same_numpy(self.numpy, other.numpy))
+        return (torch.equal(self.cpu, other.cpu) and _same_states(self.cuda, other.cuda)
+                and self.python == other.python and _same_states(self.numpy, other.numpy))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain states by generator, as a saved file keeps them (absent generators left out)."""
