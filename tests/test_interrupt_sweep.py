@@ -83,7 +83,7 @@ CELLS = [
 ]
 
 
-@pytest.mark.parametrize(("line", "cell"), CELLS, ids=[c[0] for c in CELLS])
+@pytest.mark.parametrize(("line", "cell"), CELLS, ids=[f"{line} :: {cell}" for line, cell in CELLS])
 def test_interrupt_anywhere_in_a_cell_leaks_nothing(ip, line, cell):
     def run(world):
         with capture_output():
