@@ -163,8 +163,20 @@ def release() -> None:
         resume(_here.held[0])
 
 
+def runs_inside(args: tuple, kwargs: dict) -> bool:
+    """An optimizer step given a closure runs the forward and backward inside it (LBFGS,
+    Lightning's automatic optimization): the mode stays on the stack through that step.
+    `args` as a step hook gets them: the optimizer first."""
+    return len(args) > 1 and callable(args[1]) or callable(kwargs.get("closure"))
+
+
 def _suspend_hook(owner: Any, *_: Any) -> None:
     suspend(owner)
+
+
+def _suspend_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
+    if not runs_inside(args, kwargs):
+        suspend(optimizer)
 
 
 def _resume_hook(owner: Any, *_: Any) -> None:
@@ -187,7 +199,7 @@ def _hook_everything() -> list[Any]:
     try:
         handles.append(register_module_forward_pre_hook(_suspend_hook))
         handles.append(register_module_forward_hook(_resume_hook, always_call=True))
-        handles.append(register_optimizer_step_pre_hook(_suspend_hook))
+        handles.append(register_optimizer_step_pre_hook(_suspend_step))
         handles.append(register_optimizer_step_post_hook(_resume_hook))
     except BaseException:
         _unhook(handles)

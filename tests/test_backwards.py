@@ -177,3 +177,28 @@ def test_a_watch_in_a_cell_with_a_watched_loop_counts_each_backward_once(ip):
     w = ip.user_ns.pop("w")
     assert [r.micro_batches for r in w.records] == [2, 2, 2]
     assert len(_get_current_function_mode_stack()) == 0
+
+
+def test_a_step_given_a_closure_still_sees_the_backward_inside_it(ip):
+    """Lightning's automatic optimization (and LBFGS) run forward and backward inside the step."""
+    torch.manual_seed(0)
+    m, x = nn.Linear(4, 1), torch.randn(8, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+
+    def closure():
+        opt.zero_grad()
+        loss = _Seen.apply(m(x)).pow(2).mean()
+        loss.backward()
+        losses.append(float(loss))
+        return loss
+
+    with ampnb.watch(m, opt) as w:
+        for _ in range(2):
+            opt.step(closure)
+    assert [r.micro_batches for r in w.records] == [1, 1]
+    assert [r.loss for r in w.records] == pytest.approx(losses)
+    _Seen.on = []
+    ip.user_ns.update(opt=opt, closure=closure)
+    amp(ip, "bf16-mixed", "opt.step(closure)\n")
+    assert _Seen.on == [False]  # the cell's backward inside the step ran outside autocast

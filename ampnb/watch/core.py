@@ -294,7 +294,8 @@ class Watch:
         return _After(after)
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        backwards.suspend(optimizer)  # off the stack through the update
+        if not backwards.runs_inside(args, kwargs):  # off the stack through the update
+            backwards.suspend(optimizer)
         s = self._current()
         # A GradScaler hands an optimizer that unscales inside its own (fused) step the scale
         # and its found_inf as these two attributes, and calls its step even to skip it
