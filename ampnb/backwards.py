@@ -132,12 +132,14 @@ def _drop(mode: _Mode) -> None:
 def suspend(key: Any) -> None:
     """Take this thread's mode off the top of the stack until `resume(key)` (a forward or an
     optimizer step starts). Inside another key's suspension nothing changes; the same key
-    again means its end never ran (a KeyboardInterrupt skips a forward's end hooks)."""
+    again, or any key while an optimizer's step holds it, means that end never ran (an
+    exception skips a step's post hooks, a KeyboardInterrupt a forward's end hooks; a step
+    that runs forwards inside, given a closure, is never suspended)."""
     held = _here.held
     if held is not None:
-        if held[0] is not key:
+        if held[0] is not key and not isinstance(held[0], torch.optim.Optimizer):
             return
-        resume(key)
+        resume(held[0])
     mode = _here.mode
     if mode is not None and mode.listeners and _get_current_function_mode_stack()[-1:] == [mode]:
         _here.held = (key, _pop_mode())

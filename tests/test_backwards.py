@@ -202,3 +202,19 @@ def test_a_step_given_a_closure_still_sees_the_backward_inside_it(ip):
     ip.user_ns.update(opt=opt, closure=closure)
     amp(ip, "bf16-mixed", "opt.step(closure)\n")
     assert _Seen.on == [False]  # the cell's backward inside the step ran outside autocast
+
+
+def test_a_step_that_raised_leaves_the_watch_seeing_the_next_backward():
+    """An exception in optimizer.step skips its post hooks: the next forward puts the mode back."""
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with ampnb.watch(m, opt) as w:
+        fail = opt.register_step_pre_hook(lambda *_: 1 / 0)  # after the watch's own
+        opt.zero_grad()
+        m(torch.randn(2, 4)).sum().backward()
+        with pytest.raises(ZeroDivisionError):
+            opt.step()
+        fail.remove()
+        _loop(m, opt)
+    assert [r.micro_batches for r in w.records][-2:] == [1, 1]
+    assert len(_get_current_function_mode_stack()) == 0
