@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from IPython.core.error import UsageError
+from torch import nn
 
 from ampnb import _state
 from ampnb.comparison import compare
@@ -130,3 +131,23 @@ def test_place_without_a_gpu_machine():
                  ).why == "where the batch are"
     with pytest.raises(ValueError, match="not available on this machine"):
         place([("the model's parameters", lin)], "cuda:3")
+
+
+def test_run_distributed_runs_its_ranks_where_the_namespace_model_is(gpu_machine, monkeypatch):
+    """run_distributed picked CUDA whenever present, though the namespace's model was on the CPU."""
+    import ampnb.distributed.run as run_module
+
+    picked = []
+
+    class _Ran:
+        ok = True
+
+        def output(self) -> str:
+            return ""
+
+    monkeypatch.setattr(run_module, "launch",
+                        lambda payload, nproc, device, timeout: picked.append(device) or _Ran())
+    run_module.run_distributed("y = net(x)", 2, namespace={"net": nn.Linear(2, 2),
+                                                         "x": torch.randn(1, 2)})
+    run_module.run_distributed("y = 1", 2)  # no data: the ranks make theirs on CUDA's device
+    assert picked == ["cpu", "cuda:0"]

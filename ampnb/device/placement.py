@@ -93,3 +93,15 @@ def place(sources: Iterable[tuple[str, Any]], stated: Any = None, *, flag: str =
 def _or(found: list[torch.device]) -> str:
     names = [_name(d) for d in found]
     return " or ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def for_ranks(sources: Iterable[tuple[str, Any]], stated: Any = None, *, flag: str = "device=",
+              fallback: str = "no model or tensor was given") -> Placement:
+    """Where distributed ranks run: as `place`; with no data and no stated device, CUDA where
+    present (each rank makes its data on the device it is given)."""
+    sources = list(sources)
+    if (stated in AUTO and torch.cuda.is_available()
+            and not any(data_devices(v) for _, v in sources)):
+        return Placement(_name(torch.device("cuda")),
+                         f"the ranks' device: cuda when present; {fallback}")
+    return place(sources, stated, flag=flag, fallback=fallback)

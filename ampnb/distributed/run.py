@@ -7,8 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from ampnb.device.placement import for_ranks
 from ampnb.distributed._ship import pack, split_cell
 from ampnb.distributed.launcher import DistributedRun, RankFailed, launch
 
@@ -36,7 +35,8 @@ def run_distributed(work: Callable[..., Any] | str, nproc: int = 2, *, device: s
     """
     from ampnb.modes import get_mode
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    data = [(f"the namespace's {name}", v) for name, v in (namespace or {}).items()]
+    device = for_ranks(data, device, fallback="the namespace holds no model or tensor").device
     mode_name = None if mode is None else get_mode(mode).name
     if isinstance(work, str):
         body, last = split_cell(work)

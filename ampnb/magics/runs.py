@@ -20,6 +20,7 @@ from ampnb.device import (
     TF32Setting,
     TF32State,
     cpu_features,
+    for_ranks,
     get_device,
     place,
     support,
@@ -64,12 +65,8 @@ def placement(device: Any, ns: dict[str, Any] | None = None,
             and not isinstance(ns[n], nn.Module) and named_tensors(ns[n], n)}
     if free:  # where no model holds parameters (nn.ReLU(), or none), the tensors decide
         found.append((f"the tensors the cell uses ({', '.join(free)})", list(free.values())))
-    if not found and stated is None and ranks and torch.cuda.is_available():
-        # --nproc ranks make their data on the `device` they are given: CUDA's, where present
-        return Placement(device_name("cuda"), "the ranks' device: cuda when present; the cell "
-                                              "uses no model or tensor made before it")
-    return place(found, stated, flag="--device ",
-                 fallback="the cell uses no model or tensor made before it")
+    return (for_ranks if ranks else place)(
+        found, stated, flag="--device ", fallback="the cell uses no model or tensor made before it")
 
 
 def tf32_setting(value: Any) -> TF32Setting | None:
