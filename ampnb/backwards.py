@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.overrides import (
     TorchFunctionMode,
+    _get_current_function_mode,
     _get_current_function_mode_stack,
     _pop_mode,
     _push_mode,
@@ -141,7 +142,7 @@ def suspend(key: Any) -> None:
             return
         resume(held[0])
     mode = _here.mode
-    if mode is not None and mode.listeners and _get_current_function_mode_stack()[-1:] == [mode]:
+    if mode is not None and mode.listeners and _get_current_function_mode() is mode:
         _here.held = (key, _pop_mode())
 
 

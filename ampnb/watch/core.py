@@ -28,6 +28,7 @@ from torch import nn
 from ampnb import _interrupt, backwards
 from ampnb._interrupt import Guard, critical
 from ampnb._tree import map_tensors
+from ampnb.putback import Rng
 from ampnb.start import param_dtype
 from ampnb.step import _AUTOCAST_DEVICES
 from ampnb.watch import inputs, overflow, summary
@@ -246,7 +247,7 @@ class Watch:
                           if torch.is_autocast_enabled(d)]
         if self._keeping:
             if s.rng is None:
-                s.rng = overflow.rng_states()
+                s.rng = Rng.take()
             s.inputs.append(map_tensors(lambda t: t.detach(), (args, dict(kwargs))))
             s.entries.append(self._entries[id(module)])
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ampnb._tree import tensors
 from ampnb.formats import get_format
+from ampnb.putback import Rng
 
 # |x| at or below half fp16's smallest subnormal rounds to 0 (the tie goes to even: 0)
 FP16_FLUSH = get_format("fp16").smallest_subnormal / 2
@@ -154,7 +155,7 @@ class StepState:
         self.inputs: list[tuple[tuple, dict]] = []        # keep_overflow: this step's batches
         self.entries: list[str] = []                       # ... and the module each entered
         self.out_grads: list[list[torch.Tensor | None]] = []  # ... and its outputs' gradients
-        self.rng: dict[str, Any] | None = None
+        self.rng: Rng | None = None  # keep_overflow: every generator at its first forward
         self.scaler_state: dict[str, Any] | None = None  # ... and the scaler's, at its start
         self.autocast: list[tuple[str, torch.dtype]] = []
         self.before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None

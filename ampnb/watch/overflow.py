@@ -20,8 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.putback import Rng
-
 FILE_NAME = "overflow.pt"
 FORMAT = 3
 
@@ -30,11 +28,6 @@ def target(path: str | os.PathLike) -> Path:
     """The file: `path` itself when it names a file (a suffix), else path/overflow.pt."""
     p = Path(path)
     return p / FILE_NAME if p.is_dir() or not p.suffix else p
-
-
-def rng_states() -> dict[str, Any]:
-    """Every generator's state as the file keeps it (`ampnb.putback.Rng.as_dict`)."""
-    return Rng.take().as_dict()
 
 
 def autocast_as(autocast: list[tuple[str, torch.dtype]] | tuple) -> contextlib.ExitStack:
@@ -95,7 +88,7 @@ def keep(path: str | os.PathLike, s: Any, model: nn.Module, optimizer: torch.opt
     """Save the StepState `s` (see save); a failure is a warning (None), never an error in the
     user's training."""
     try:
-        return save(path, step=step, inputs=s.inputs, rng=s.rng, entries=s.entries,
+        return save(path, step=step, inputs=s.inputs, rng=s.rng and s.rng.as_dict(), entries=s.entries,
                     out_grads=s.out_grads, autocast=s.autocast, model=model, optimizer=optimizer,
                     scaler=s.scaler_state, scale=s.scale, loss=s.loss())
     except Exception as e:  # noqa: BLE001 - the user's training must go on
