@@ -33,7 +33,7 @@ from torch.overrides import (
     _push_mode,
 )
 
-from ampnb._interrupt import critical
+from ampnb._interrupt import Guard, critical
 
 GRAD = torch.autograd.grad
 CALLS = frozenset({torch.Tensor.backward, torch.autograd.backward, GRAD})
@@ -217,11 +217,9 @@ def _unhook(handles: list[Any]) -> None:
     release()
 
 
-def seen_everywhere(listener: Listener) -> Any:
+def seen_everywhere(listener: Listener) -> Guard:
     """A context in which every backward this thread's code starts runs inside
     listener(call, roots)'s context, the mode suspended in every forward and optimizer step."""
-    from ampnb._interrupt import Guard
-
     def enter() -> tuple[list[Any], Callable[[], None]]:
         handles = _hook_everything()
         try:
