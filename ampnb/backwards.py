@@ -80,11 +80,18 @@ class _Mode(TorchFunctionMode):
                 context = listener(func, found)
                 if context is not None:
                     stack.enter_context(context)
-            try:  # set inside the try: an interrupt before it leaves nothing set
-                _here.inside = True
+            # a Guard: an interrupt landing as the flag is set or cleared cannot leave it set
+            # (every later backward would then pass unseen)
+            with Guard(_inside, _outside):
                 return func(*args, **kwargs)
-            finally:
-                _here.inside = False
+
+
+def _inside() -> None:
+    _here.inside = True
+
+
+def _outside(_: None) -> None:
+    _here.inside = False
 
 
 _next = [0]

@@ -10,7 +10,7 @@ Every ampnb runner calls `train_step` (or `forward_loss` + the mode's hooks) ins
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,15 +71,22 @@ def all_of(contexts: Iterable[contextlib.AbstractContextManager]) -> Guard:
 # ----- backward outside autocast, no stale autocast cache --------------------------------------
 
 
-@contextlib.contextmanager
-def _autocast_off(devices: list[str]) -> Iterator[None]:
-    # the forward's cached casts end where its backward starts (leaving the recipe's
-    # autocast region drops them): the update that follows would make them stale
-    torch.clear_autocast_cache()
-    with contextlib.ExitStack() as stack:
-        for d in devices:
-            stack.enter_context(torch.autocast(d, enabled=False))
-        yield
+def _autocast_off(devices: list[str]) -> Guard:
+    """Autocast off on `devices` (a Guard: an interrupt cannot leave it half put back)."""
+    def enter() -> contextlib.ExitStack:
+        # the forward's cached casts end where its backward starts (leaving the recipe's
+        # autocast region drops them): the update that follows would make them stale
+        torch.clear_autocast_cache()
+        stack = contextlib.ExitStack()
+        try:
+            for d in devices:
+                stack.enter_context(torch.autocast(d, enabled=False))
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+
+    return Guard(enter, lambda stack: stack.close())
 
 
 def _outside_autocast(call: Callable[..., Any], roots: list[torch.Tensor]

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from watch_models import batches, run
 
 import ampnb
-from ampnb import _state
+from ampnb import _state, backwards
 from ampnb.step import backward_outside_autocast
 from tests._magics_kit import amp, shell_with_ampnb
 
@@ -218,3 +218,32 @@ def test_a_step_that_raised_leaves_the_watch_seeing_the_next_backward():
         _loop(m, opt)
     assert [r.micro_batches for r in w.records][-2:] == [1, 1]
     assert len(_get_current_function_mode_stack()) == 0
+
+
+def test_an_interrupt_at_any_line_of_a_seen_backward_leaves_nothing_set():
+    """Every line ampnb runs around a cell's and a watch's backward, interrupted in turn: the
+    'a backward runs' flag, the held mode, autocast and the mode stack are all as before."""
+    from _sweep import sweep
+
+    def setup():
+        m = nn.Linear(4, 1)
+        return {"m": m, "opt": torch.optim.SGD(m.parameters(), lr=0.1),
+                "before": _state.snapshot()}
+
+    def run(w):
+        with ampnb.watch(w["m"], w["opt"]), backward_outside_autocast(), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            w["m"](torch.randn(2, 4)).float().sum().backward()
+            w["opt"].step()
+
+    def check(w):
+        problems = []
+        if backwards._here.inside or backwards._here.held is not None:
+            problems.append("a backward left marked running, or the mode held aside")
+        if _state.snapshot() != w["before"]:
+            problems.append("torch state changed")
+        return problems
+
+    tried, leaks = sweep(setup, run, check, 10**9)
+    assert tried > 50
+    assert not leaks, f"{len(leaks)} of {tried} leaked:\n" + "\n".join(leaks[:5])

@@ -18,7 +18,7 @@ from _magics_kit import loaded_shell
 from _sweep import sweep
 from IPython.utils.capture import capture_output
 
-from ampnb import _interrupt, _state
+from ampnb import _interrupt, _state, backwards
 from ampnb.instruments.trace import is_internal, trace_ops
 
 # Interrupt points per scenario: 60 keeps the sweep well under 2 minutes; AMPNB_SWEEP_BUDGET=0
@@ -35,6 +35,8 @@ def _common(before: _state.TorchState) -> list[str]:
     if after != before:
         changed = [k for k in before.__dataclass_fields__ if getattr(before, k) != getattr(after, k)]
         problems.append(f"torch state changed: {', '.join(changed)}")
+    if backwards._here.inside or backwards._here.held is not None:
+        problems.append("ampnb.backwards left a backward marked running or its mode held aside")
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         problems.append(f"SIGINT handler left as {signal.getsignal(signal.SIGINT)!r}")
     if _interrupt._pending:

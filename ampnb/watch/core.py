@@ -387,6 +387,7 @@ class _After:
     def __enter__(self) -> None:
         return None
 
+    @critical
     def __exit__(self, kind: Any, *_: Any) -> None:
         if kind is None:
             self.fn()
