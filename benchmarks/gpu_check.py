@@ -140,18 +140,24 @@ def _run(cmd: list[str], seconds: int) -> tuple[int | str, str, float]:
     return code, out or "", time.perf_counter() - t0
 
 
+_BAD = re.compile(r"^(FAILED|ERROR)\b|\] (FAILED|ERROR) ")  # the summary's lines, or xdist's -v lines
+
+
 def digest(out: str, keep: int = 30) -> str:
     """What a report shows of an output: every FAILED/ERROR line (up to 60), then its last lines."""
     lines = out.strip().splitlines()
-    bad = [line for line in lines if line.startswith(("FAILED", "ERROR"))][:60]
+    bad = [line for line in lines if _BAD.search(line)][:60]
     return "\n".join([*bad, *(["..."] if bad else []), *lines[-keep:]])
 
 
 def pytest_command(files: list[str]) -> list[str]:
-    """The tests in parallel when pytest-xdist is there (the GPU machine has it)."""
-    parallel = ["-n", "auto"] if importlib.util.find_spec("xdist") else []
+    """The tests in parallel when pytest-xdist is there (the GPU machine has it), each test's
+    outcome on its own line as it ends (a run stopped at its share of time still names its
+    failures), and a test that hangs stopped at 60 s when pytest-timeout is there."""
+    parallel = ["-n", "auto", "-v"] if importlib.util.find_spec("xdist") else []
+    hung = ["--timeout", "60"] if importlib.util.find_spec("pytest_timeout") else []
     return [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *parallel,
-            *files]
+            *hung, *files]
 
 
 def _cuda_summary() -> str:

@@ -119,3 +119,16 @@ def test_the_report_keeps_every_failure_even_past_many_skips():
     assert shown.splitlines()[0] == "FAILED tests/test_a.py::test_x - boom"
     assert shown.splitlines()[-1].startswith("1 failed") and len(shown.splitlines()) < 40
     assert "-rfEs" in gpu_check.pytest_command([])  # failures are listed, not only skips
+
+
+def test_a_stopped_parallel_run_still_names_its_failures():
+    """xdist's -v lines ('[gw3] [ 30%] FAILED tests/...') are kept: a run stopped at its share of
+    time prints no summary, and the failures must still be in the report."""
+    from benchmarks import gpu_check
+
+    out = "\n".join(["[gw1] [  7%] PASSED tests/test_a.py::test_ok",
+                     "[gw3] [ 30%] FAILED tests/test_a.py::test_x",
+                     *(f"[gw0] [ 40%] PASSED tests/test_b.py::t{i}" for i in range(100))])
+    shown = gpu_check.digest(out).splitlines()
+    assert shown[0] == "[gw3] [ 30%] FAILED tests/test_a.py::test_x"
+    assert not any("test_ok" in line for line in shown[:1])
