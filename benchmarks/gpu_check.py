@@ -154,9 +154,10 @@ def pytest_command(files: list[str]) -> list[str]:
     """The tests in parallel when pytest-xdist is there (the GPU machine has it), each test's
     outcome on its own line as it ends (a run stopped at its share of time still names its
     failures), and a test that hangs stopped at 60 s when pytest-timeout is there."""
-    parallel = ["-n", "auto", "-v"] if importlib.util.find_spec("xdist") else []
+    # -v alone: "-q -v" cancel out, and xdist then prints dots again.
+    parallel = ["-n", "auto", "-v"] if importlib.util.find_spec("xdist") else ["-q"]
     hung = ["--timeout", "60"] if importlib.util.find_spec("pytest_timeout") else []
-    return [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *parallel,
+    return [sys.executable, "-m", "pytest", "-rfEs", "-p", "no:cacheprovider", *parallel,
             *hung, *files]
 
 

@@ -132,3 +132,16 @@ def test_a_stopped_parallel_run_still_names_its_failures():
     shown = gpu_check.digest(out).splitlines()
     assert shown[0] == "[gw3] [ 30%] FAILED tests/test_a.py::test_x"
     assert not any("test_ok" in line for line in shown[:1])
+
+
+def test_the_parallel_run_is_verbose_not_cancelled_by_quiet(monkeypatch):
+    """With xdist, -v must not sit beside -q: pytest adds the two up and prints dots."""
+    import importlib.util
+
+    from benchmarks import gpu_check
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "xdist" else real(name, *a))
+    cmd = gpu_check.pytest_command(["tests/test_x.py"])
+    assert cmd.count("-v") - cmd.count("-q") == 1
