@@ -17,6 +17,7 @@ from ampnb.fp8.backends import (
     choose,
     convert_torchao,
     real_fp8_backend,
+    recipe_said,
     torchao_skip_reason,
 )
 from ampnb.fp8.layernorm import TeLayerNorm, replaceable
@@ -204,6 +205,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
         raise ValueError(f"matmul={matmul!r}, enabled={enabled!r} are not allowed with backend="
                          f"{chosen.name!r}; allowed: the defaults (they are the emulation's options)")
     r = given or RECIPES["tensorwise" if chosen.name == "torchao" else "delayed"]
+    chosen = dataclasses.replace(chosen, recipe=recipe_said(chosen.name, r, given is None))
     target = model if inplace else copy.deepcopy(model)
     if chosen.name == "torchao":
         target = convert_torchao(target, r, chosen.emulate)
