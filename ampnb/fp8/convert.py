@@ -30,6 +30,7 @@ from ampnb.fp8.layers import (  # noqa: F401 - ALIGN_IN/OUT: read from here too
     describe_left_out,
     kind_of,
     left_out,
+    left_out_notes,
     not_convertible,
     parameter_share,
     swap_children,
@@ -98,8 +99,7 @@ class Fp8Report(TableView):
     def table(self) -> Table:
         rows = [(c.name, c.kind, f"{c.in_features}→{c.out_features}",
                  "FP8" if c.fp8 else "higher", c.reason or "-") for c in self.layers]
-        notes = (f"left out (not {' or '.join(CONVERTIBLE)}): {describe_left_out(self.left_out)}",
-                 ) if self.left_out else ()
+        notes = left_out_notes(self.left_out, f"not {' or '.join(CONVERTIBLE)}")
         return Table(("layer", "type", "in→out", "precision", "why not FP8"), rows,
                      caption=self.headline,
                      notes=notes)

@@ -20,6 +20,7 @@ from ampnb.fp8.layers import (
     describe_left_out,
     kind_of,
     left_out,
+    left_out_notes,
     parameter_share,
     swap_children,
 )
@@ -105,8 +106,7 @@ class LowBitReport(TableView):
         if self.already:
             notes.append(f"the model already held low-bit layers: none replaced as {self.fmt.name} "
                          f"(Lightning's rule); bits/param are the layers' own")
-        if self.left_out:
-            notes.append(f"left out (kept as they were): {describe_left_out(self.left_out)}")
+        notes += left_out_notes(self.left_out, "kept as they were")
         if self.not_called:
             notes.append(f"not called on the inputs: {', '.join(self.not_called)} (their weight is "
                          "read directly; quantized all the same, no output SQNR)")
