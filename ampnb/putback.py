@@ -151,6 +151,7 @@ class TorchState:
     torch_function_mode_depth: object = None
     saved_tensors_hooks: object = None  # the innermost default (pack, unpack) pair, or None
     product_kernels: tuple = ()  # see _product_kernels
+    mha_fastpath: object = None
 
 
 def _global_module_hooks() -> int:
@@ -187,6 +188,7 @@ def torch_state() -> TorchState:
         torch_function_mode_depth=_call("_C._len_torch_function_stack"),
         saved_tensors_hooks=_call("_C._autograd._top_saved_tensors_default_hooks", False),
         product_kernels=_product_kernels(),
+        mha_fastpath=_call("backends.mha.get_fastpath_enabled"),
     )
 
 
@@ -307,6 +309,19 @@ class Rng:
 def rng_kept() -> Guard:
     """`with rng_kept():` every generator put back on the way out, whatever happened."""
     return Guard(Rng.take, Rng.restore)
+
+
+def _fastpath_off() -> bool:
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    return was
+
+
+def fastpath_off() -> Guard:
+    """`with fastpath_off():` torch's MultiheadAttention / Transformer fast path off (it turns a
+    padded batch into NestedTensors that per-layer hooks and replaced layers cannot read); the
+    caller's setting put back on the way out, whatever happened."""
+    return Guard(_fastpath_off, torch.backends.mha.set_fastpath_enabled)
 
 
 def seed(value: int, device: str) -> None:

@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
-from doctor_models import data
+from doctor_models import ForwardOverflow, data
 from torch import nn
 
+import ampnb
 from ampnb.batch import as_batch
 from ampnb.diagnosis.candidates import candidate
 from ampnb.diagnosis.evidence import ModeRow, acceptable, mode_row
@@ -195,6 +196,47 @@ def test_a_rerun_budget_that_runs_out_says_minimality_was_not_verified():
     assert search(Planted(), max_reruns=0)[1] is None  # nothing verified: no islands offered
     with pytest.raises(ValueError, match="max_reruns=-1"):
         search(Planted(), max_reruns=-1)
+
+
+def small_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy x 1e-3: gradients near 1e-5, below fp16's normal range without a loss scale."""
+    return CE(out, y) * 1e-3
+
+
+def hand_written_island(scale: float | None) -> float:
+    """Gradient error of one plain torch.amp fp16 step with `up` in a hand-written
+    autocast(enabled=False) region, its GradScaler at `scale` (None: torch's default), against
+    the fp32 step's gradients."""
+    x, y = data()
+    fp32, amp = ForwardOverflow(), ForwardOverflow()
+    small_loss(fp32(x), y).backward()
+    scaler = torch.amp.GradScaler("cpu") if scale is None else \
+        torch.amp.GradScaler("cpu", init_scale=scale)
+    with torch.autocast("cpu", dtype=torch.float16):
+        h = torch.relu(amp.inp(x))
+        with torch.autocast("cpu", enabled=False):
+            h = amp.up(h.float())
+        loss = small_loss(amp.head(amp.norm(h)), y)
+    scaler.scale(loss).backward()
+    got = torch.cat([p.grad.reshape(-1).double() for p in amp.parameters()]) / scaler.get_scale()
+    want = torch.cat([p.grad.reshape(-1).double() for p in fp32.parameters()])
+    return float((got - want).norm() / want.norm())
+
+
+def test_an_island_is_judged_from_the_scalers_initial_state_not_the_collapsed_scale():
+    """A forward overflow no loss scale cures: the failed run backs its scale off to the floor.
+    The island is judged as the user trains it, from the GradScaler's initial scale; at the
+    collapsed scale fp16's gradients underflow and a correct island would read as wrong."""
+    at_start, collapsed = hand_written_island(None), hand_written_island(2.0**-8)
+    assert at_start <= TOL.grad < collapsed  # the plant: the collapsed scale is itself a cause
+    r = ampnb.doctor(ForwardOverflow(), data(), small_loss, modes=("32-true", "16-mixed"),
+                     repeat=1, budget=math.inf, profile=False, progress=lambda _: None)
+    before = r.mode("16-mixed")
+    assert not before.finite and before.scale < 1  # no scale helped: it backed off below 1
+    rec = r.low_precision
+    assert rec is not None and rec.mode == "16-mixed" and rec.keep_fp32 == ("up",)
+    assert rec.after.scale == torch.amp.GradScaler("cpu").get_scale()
+    assert rec.after.grad_error == pytest.approx(at_start, rel=0.05)
 
 
 # ----- the minimization itself, on synthetic reruns whose outcome a rule decides -----------------

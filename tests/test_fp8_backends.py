@@ -42,7 +42,8 @@ def test_auto_on_a_cpu_takes_the_emulation_and_the_report_says_why_first():
     f, report = convert_to_fp8(mlp())
     assert isinstance(f[0], Fp8Linear) and report.backend.name == "ampnb"
     first = repr(report).splitlines()[0]
-    assert first.startswith("FP8 backend: ampnb (emulated in torch): auto: ")
+    assert first.startswith("FP8 backend: ampnb (emulated in torch), recipe delayed") and \
+        ": auto: " in first
     # Why each real one did not run.
     assert "Transformer Engine: real FP8 needs a CUDA GPU" in first and "torchao: " in first
     assert html.escape(first) in report._repr_html_()
@@ -157,3 +158,26 @@ def test_torch_compile_wraps_the_model_when_asked_and_by_default_only_for_real_f
     assert compiled == []
     f, _ = convert_to_fp8(mlp(), backend="torchao", emulate=True, compile=True)
     assert compiled == [f]  # as torchao's README: convert, then torch.compile the model
+
+
+def test_the_reports_first_line_names_the_recipe_that_ran():
+    """recipe=None is each backend's own default: the first line says which ran, and for torchao
+    why it is not the ampnb backend's default (torchao has no delayed scaling)."""
+    pytest.importorskip("torchao.float8")
+    from ampnb.fp8.recipe import RECIPES, Scaling
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao, ao_report = convert_to_fp8(mlp(), backend="torchao", emulate=True)
+        asked, asked_report = convert_to_fp8(mlp(), "e4m3-dynamic", backend="torchao", emulate=True)
+    ours, ours_report = convert_to_fp8(mlp(), backend="ampnb")
+    # what ran, read off the layers themselves
+    assert "DYNAMIC" in str(ao[0].config.cast_config_input.scaling_type)
+    assert ours[0].recipe == RECIPES["delayed"] and ours[0].recipe.scaling is Scaling.DELAYED
+    first = repr(ao_report).splitlines()[0]
+    assert "recipe tensorwise" in first and "torchao has no delayed scaling" in first
+    assert html.escape(first) in ao_report._repr_html_()
+    ours_first = repr(ours_report).splitlines()[0]
+    assert "recipe delayed" in ours_first and "no delayed scaling" not in ours_first
+    asked_first = repr(asked_report).splitlines()[0]
+    assert "recipe e4m3-dynamic" in asked_first and "no delayed scaling" not in asked_first

@@ -132,4 +132,5 @@ def test_convert_to_fp8_auto_takes_transformer_engine_where_it_runs(fake_te, mon
     assert type(f[0]) is FakeTeLinear and type(f[2]) is nn.Linear and type(model[0]) is nn.Linear
     assert report.backend.name == "te" and report.converted == ("0",)
     first = repr(report).splitlines()[0]
-    assert first.startswith("FP8 backend: Transformer Engine: auto: ") and "fp8_autocast" in first
+    assert first.startswith("FP8 backend: Transformer Engine, recipe set by fp8_autocast") and \
+        ": auto: " in first

@@ -106,7 +106,10 @@ def _search(setup: Setup, p: Plan, head: Headline, isl: Islands, cand: Candidate
 
     def rerun(keep: tuple[str, ...]) -> ModeRow:
         s.say(f"{cand.name} with {', '.join(keep)} kept in fp32: verifying")
-        kept[keep] = measure(setup, cand, keep, ref=ref, scale=run.scale)
+        # From the GradScaler's initial scale, backing off only as far as this island's own
+        # gradients need, as the user's training would: the broken run's scale is no working
+        # scale (after an overflow no scale cures it is 2^-8, where fp16 gradients underflow).
+        kept[keep] = measure(setup, cand, keep, ref=ref)
         return mode_row(cand, kept[keep], ref, None, None, keep)
 
     each = max(instrumented_cost(head, ref, cand.name, clock), 1e-3)

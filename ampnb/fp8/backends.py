@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.fp8.recipe import Fp8Format, Fp8Recipe, Scaling
+from ampnb.fp8.recipe import RECIPES, Fp8Format, Fp8Recipe, Scaling
 
 # "auto" tries these in order and takes the first that runs here.
 BACKENDS = ("te", "torchao", "ampnb")
@@ -29,6 +29,7 @@ class Backend:
     name: str
     reason: str
     emulate: bool = False  # torchao's own emulation (Float8LinearConfig(emulate=True))
+    recipe: str = ""  # the recipe its layers run (recipe_said), '' before conversion
 
     @property
     def real(self) -> bool:
@@ -41,7 +42,21 @@ class Backend:
                  "ampnb": "ampnb (emulated in torch)"}[self.name]
         if self.emulate:
             label += " emulated (Float8LinearConfig(emulate=True))"
-        return f"FP8 backend: {label}: {self.reason}"
+        recipe = f", recipe {self.recipe}" if self.recipe else ""
+        return f"FP8 backend: {label}{recipe}: {self.reason}"
+
+
+def recipe_said(backend: str, recipe: Fp8Recipe, default: bool) -> str:
+    """The recipe a backend's layers run, for the report's first line: its name (else its
+    fields); with `default` (recipe=None) on torchao, why it is not the ampnb backend's."""
+    if backend == "te":  # TE's layers take theirs from fp8_autocast when they run
+        return "set by fp8_autocast(fp8_recipe=) (Transformer Engine's default: DelayedScaling)"
+    name = next((k for k, v in RECIPES.items() if v == recipe), None)
+    text = f"{name} ({recipe.scaling.value} scaling)" if name else recipe.describe()
+    if default and backend == "torchao":
+        text += (" - torchao's default: torchao has no delayed scaling, the ampnb backend's "
+                 "default (Transformer Engine's DelayedScaling)")
+    return text
 
 
 def fp8_gpu_problem(device: torch.device) -> str:

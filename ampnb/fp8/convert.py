@@ -17,6 +17,7 @@ from ampnb.fp8.backends import (
     choose,
     convert_torchao,
     real_fp8_backend,
+    recipe_said,
     torchao_skip_reason,
 )
 from ampnb.fp8.layernorm import TeLayerNorm, replaceable
@@ -29,6 +30,7 @@ from ampnb.fp8.layers import (  # noqa: F401 - ALIGN_IN/OUT: read from here too
     describe_left_out,
     kind_of,
     left_out,
+    left_out_notes,
     not_convertible,
     parameter_share,
     swap_children,
@@ -97,8 +99,7 @@ class Fp8Report(TableView):
     def table(self) -> Table:
         rows = [(c.name, c.kind, f"{c.in_features}→{c.out_features}",
                  "FP8" if c.fp8 else "higher", c.reason or "-") for c in self.layers]
-        notes = (f"left out (not {' or '.join(CONVERTIBLE)}): {describe_left_out(self.left_out)}",
-                 ) if self.left_out else ()
+        notes = left_out_notes(self.left_out, f"not {' or '.join(CONVERTIBLE)}")
         return Table(("layer", "type", "in→out", "precision", "why not FP8"), rows,
                      caption=self.headline,
                      notes=notes)
@@ -204,6 +205,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
         raise ValueError(f"matmul={matmul!r}, enabled={enabled!r} are not allowed with backend="
                          f"{chosen.name!r}; allowed: the defaults (they are the emulation's options)")
     r = given or RECIPES["tensorwise" if chosen.name == "torchao" else "delayed"]
+    chosen = dataclasses.replace(chosen, recipe=recipe_said(chosen.name, r, given is None))
     target = model if inplace else copy.deepcopy(model)
     if chosen.name == "torchao":
         target = convert_torchao(target, r, chosen.emulate)

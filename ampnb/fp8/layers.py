@@ -27,9 +27,17 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__name__}"
 
 
+# Linear subclasses whose parent reads their weight and never calls them: a swap there would
+# claim a format nothing ran in, so they are left out, with this reason (by class name, as
+# `left_out` counts them).
+READ_BY_PARENT = {
+    "NonDynamicallyQuantizableLinear": "nn.MultiheadAttention's out_proj: the attention reads its "
+                                       "weight directly (F.multi_head_attention_forward), never "
+                                       "calling it",
+}
+
+
 def _linear_base(m: nn.Module) -> type | None:
-    # nn.MultiheadAttention reads its out_proj's weight without calling it: a swap there would
-    # claim FP8 while nothing ran in FP8, so that class is not a Linear layer here.
     if isinstance(m, nn.Linear) and not isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return nn.Linear
     return None
@@ -172,6 +180,15 @@ def parameter_share(model: nn.Module, taken: Iterable[nn.Module], converted: Ite
 def describe_left_out(counts: tuple[tuple[str, int], ...]) -> str:
     """'2 Embedding, 5 LayerNorm' ('' when nothing was left out)."""
     return ", ".join(f"{n} {name}" for name, n in counts)
+
+
+def left_out_notes(counts: tuple[tuple[str, int], ...], others: str) -> tuple[str, ...]:
+    """'left out (<others>): 2 LayerNorm', then one note per type left out for its own reason
+    (READ_BY_PARENT); none when nothing was left out."""
+    plain = tuple((name, n) for name, n in counts if name not in READ_BY_PARENT)
+    notes = [f"left out ({others}): {describe_left_out(plain)}"] if plain else []
+    return (*notes, *(f"left out ({READ_BY_PARENT[name]}): {n} {name}" for name, n in counts
+                      if name in READ_BY_PARENT))
 
 
 def swap_children(swaps: list[tuple[nn.Module, str, nn.Module]]) -> None:

@@ -20,6 +20,7 @@ from ampnb.fp8.layers import (
     describe_left_out,
     kind_of,
     left_out,
+    left_out_notes,
     parameter_share,
     swap_children,
 )
@@ -28,6 +29,7 @@ from ampnb.lowbit.formats import INV_127, LowBitFormat, get_lowbit, quantize_wei
 from ampnb.lowbit.inputs import run_inputs
 from ampnb.lowbit.int8 import THRESHOLD
 from ampnb.lowbit.layers import LOWBIT_LAYERS, Linear4bit, Linear8bitLt
+from ampnb.putback import fastpath_off, rng_kept
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,7 @@ class LowBitReport(TableView):
         if self.already:
             notes.append(f"the model already held low-bit layers: none replaced as {self.fmt.name} "
                          f"(Lightning's rule); bits/param are the layers' own")
-        if self.left_out:
-            notes.append(f"left out (kept as they were): {describe_left_out(self.left_out)}")
+        notes += left_out_notes(self.left_out, "kept as they were")
         if self.not_called:
             notes.append(f"not called on the inputs: {', '.join(self.not_called)} (their weight is "
                          "read directly; quantized all the same, no output SQNR)")
@@ -117,7 +118,8 @@ class LowBitReport(TableView):
 
 
 def _layer_outputs(model: nn.Module, inputs: Any, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Output of every Linear / Conv1D layer (or those named) for one eval-mode forward (model left as it was)."""
+    """Output of every Linear / Conv1D layer (or those named) for one eval-mode forward (model,
+    RNG and torch's fast-path setting left as they were)."""
     outs: dict[str, torch.Tensor] = {}
 
     # Eval mode: dropout would draw different masks for the two models compared, and
@@ -136,7 +138,10 @@ def _layer_outputs(model: nn.Module, inputs: Any, names: set[str] | None = None)
         for m, training in modes:
             m.training = training
 
-    with Guard(register, restore), torch.no_grad():
+    # Each forward from the caller's RNG state, put back after it: the original and the quantized
+    # model draw the same numbers (a VAE's sample in eval mode) and the caller's draws are not
+    # spent. torch's fast path is off: its NestedTensors reach no hook or replaced layer.
+    with rng_kept(), fastpath_off(), Guard(register, restore), torch.no_grad():
         run_inputs(model, inputs)
     return outs
 
