@@ -145,3 +145,36 @@ def test_weights_only_false_appears_only_behind_the_opt_in():
     source = (ROOT / found[0][0]).read_text(encoding="utf-8").splitlines()
     body = "\n".join(source[found[0][1] - 6:found[0][1]])
     assert "trust_pickled_model" in body  # the one unpickling sits behind the opt-in
+
+
+def test_a_model_of_another_class_is_refused_in_one_line(tmp_path):
+    file = _kept(tmp_path)
+    with pytest.raises(ValueError) as e:
+        ampnb.doctor.replay(file, model=nn.Linear(8, 4))
+    assert "\n" not in str(e.value) and "Structured" in str(e.value)
+
+
+class Opaque:
+    """A batch leaf of the user's own type: not data."""
+
+
+def test_a_batch_that_is_not_data_is_a_warning_and_no_file(tmp_path):
+    class Takes(Planted):
+        def forward(self, x, tag=None):
+            return super().forward(x, blow=tag is not None)
+
+    m = Takes()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sc = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with pytest.warns(UserWarning, match="could not save.*more than data.*Opaque"):
+        with ampnb.watch(m, opt, sc, keep_overflow=tmp_path / "kept") as w:
+            for k, ((x, y, _),) in enumerate(batches(2)):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = m(x, tag=Opaque() if k == 1 else None)
+                    loss = nn.functional.mse_loss(out.float(), y)
+                sc.scale(loss).backward()
+                sc.step(opt)
+                sc.update()
+                opt.zero_grad()
+    assert w.records[1].skipped and w.overflow_file is None
+    assert not target(tmp_path / "kept").exists()

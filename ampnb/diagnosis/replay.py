@@ -70,7 +70,13 @@ def _model(data: dict[str, Any], model: nn.Module | None, trust: bool) -> nn.Mod
     from ampnb.watch.hooks import strip_gone
 
     if model is not None:
-        model.load_state_dict(data["state_dict"])
+        try:
+            model.load_state_dict(data["state_dict"])
+        except RuntimeError as e:  # torch's several lines: missing and unexpected keys, shapes
+            why = " ".join(str(e).split())[:200]
+            raise ValueError(f"model={type(model).__name__} does not take the kept state "
+                             f"({why}); allowed: a fresh instance of {data['model_class']}"
+                             ) from None
     elif not isinstance(data["model"], bytes):
         raise ValueError(f"the watched {data['model_class']} could not be pickled; pass "
                          "model=, a fresh instance of it (its saved state is loaded into it)")

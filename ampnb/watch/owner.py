@@ -103,8 +103,12 @@ def claim(log_file: Path, shown: str) -> Callable[[], None]:
                 raise _refusal(shown, lock, seen) from None
             _take_over(lock, seen)
             continue
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(me)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(me)
+        except BaseException:  # a full disk: no half-written lock left to keep others out
+            lock.unlink()
+            raise
 
         def release() -> None:
             if _read(lock) == me:  # still ours
