@@ -106,3 +106,22 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         return leaf
 
     return pytree.tree_map(one, obj, is_leaf=_unknown_container)
+
+
+def plain(obj: Any) -> Any:
+    """obj with every container made a dict, list or tuple (a namedtuple a tuple; a dataclass,
+    a ModelOutput or any Mapping a dict of its fields): what a data-only file can hold."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, list):
+        return [plain(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(plain(v) for v in obj)
+    kids = _children(obj)
+    if kids is None:
+        return obj
+    if isinstance(obj, Mapping):
+        return {k: plain(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj):
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return tuple(plain(v) for _, v in kids)  # another pytree node: its children in order

@@ -296,14 +296,22 @@ class Rng:
                 and self.python == other.python and _same_states(self.numpy, other.numpy))
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain states by generator, as a saved file keeps them (absent generators left out)."""
-        found = {"torch": self.cpu, "python": self.python, "cuda": self.cuda, "numpy": self.numpy}
+        """Plain states by generator, as a saved file keeps them: data only (numpy's key array
+        as a tensor), so the file loads with weights_only=True; absent generators left out."""
+        np_state = self.numpy
+        if np_state is not None:  # ('MT19937', key array, pos, has_gauss, cached_gaussian)
+            np_state = (np_state[0], torch.from_numpy(np_state[1].astype("int64")), *np_state[2:])
+        found = {"torch": self.cpu, "python": self.python, "cuda": self.cuda, "numpy": np_state}
         return {k: v for k, v in found.items() if v is not None}
 
     @classmethod
     def from_dict(cls, states: dict[str, Any]) -> Rng:
-        """The record `as_dict` wrote."""
-        return cls(states["torch"], states.get("cuda"), states.get("numpy"), states.get("python"))
+        """The record `as_dict` wrote (numpy's state only where numpy is imported to take it)."""
+        np, np_state = _numpy(), states.get("numpy")
+        if np_state is not None:
+            np_state = None if np is None else (
+                np_state[0], np.asarray(np_state[1], dtype=np.uint32), *np_state[2:])
+        return cls(states["torch"], states.get("cuda"), np_state, states.get("python"))
 
 
 def rng_kept() -> Guard:

@@ -64,7 +64,7 @@ class Master:
     def _values(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         if self.path is None:
             return self.tensors, self.optimizer
-        found = torch.load(self.path, mmap=True, weights_only=False)  # our own file
+        found = torch.load(self.path, mmap=True, weights_only=True)  # our own file: data only
         return found["tensors"], found["optimizer"]
 
     @classmethod

@@ -149,7 +149,7 @@ def test_the_step_kept_inside_fit_replays_to_the_planted_op(tmp_path):
     _fit(MarkedNet(), [monitor], data=_data(marked=K), init_scale=2.0**8)
     assert [r.skipped for r in monitor.records] == [s == K for s in range(STEPS)]
     assert monitor.records[K].first_module == "boom"
-    replay = ampnb.doctor.replay(monitor.watch.overflow_file)
+    replay = ampnb.doctor.replay(monitor.watch.overflow_file, MarkedNet())
     assert replay.step == K and replay.scale == monitor.records[K].scale
     found = replay.nonfinite
     assert found.found and found.module == "boom" and found.phase == "forward"

@@ -83,7 +83,7 @@ def test_a_corrupt_line_names_the_file_and_line(tmp_path):
     log.write_text(lines[0] + '{"step": 1, "loss": \n' + lines[2])
     with pytest.raises(ValueError) as e:
         read_log(tmp_path)
-    assert "\n" not in str(e.value) and f"{log}, line 2" in str(e.value)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{log}:2: ")
 
 
 # ----- independent watches -------------------------------------------------------------------

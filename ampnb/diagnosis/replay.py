@@ -1,8 +1,10 @@
 """`ampnb.doctor.replay(path)`: rerun the step a watch kept on its first overflow, with the hunter.
 
-What it redoes: the model as it was before that step (pickled, or its state loaded into the
-`model=` given), the RNG states at the step's first forward, and each micro-batch in order —
-its forward under the autocast that was on, then the user's own backward: the gradient their
+The file is loaded as data only (`weights_only=True`), and `model=` is checked before it is read.
+What it redoes: the model as it was before that step (its state loaded into the fresh `model=`
+given, or, with `trust_pickled_model=True` only, the model pickled in the file), the RNG states
+at the step's first forward, and each micro-batch in order — its forward under the autocast that
+was on, then the user's own backward: the gradient their
 loss sent into the model's outputs, loss scale included, as the watch kept it — until the
 hunter finds the first non-finite op. The loss function itself is not saved: an overflow inside
 the user's loss shows as a non-finite output gradient, not as an op. A step kept by an older
@@ -26,36 +28,64 @@ from ampnb.display import Table, TableView
 from ampnb.putback import Rng, rng_kept
 
 
-def _load(path: str | os.PathLike) -> dict[str, Any]:
-    from ampnb.watch.overflow import FORMAT, target
-
+def _check_arguments(path: Any, model: Any, trust_pickled_model: Any) -> None:
+    """The arguments, checked before the file is read."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path={path!r} is not allowed; allowed: the file or folder that "
                          "ampnb.watch(..., keep_overflow=...) wrote")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__} is not allowed; allowed: None or a "
+                         "fresh instance of the watched model's class")
+    if not isinstance(trust_pickled_model, bool):
+        raise ValueError(f"trust_pickled_model={trust_pickled_model!r} is not allowed; allowed: "
+                         "True or False")
+    if model is None and not trust_pickled_model:
+        raise ValueError("replay needs model=, a fresh instance of the watched model's class "
+                         "(the kept state is loaded into it); allowed too: "
+                         "trust_pickled_model=True, which unpickles the model the file holds "
+                         "and so runs code from it: only for a file you trust")
+
+
+def _load(path: str | os.PathLike) -> dict[str, Any]:
+    """The kept step: data only (weights_only=True), whoever wrote the file."""
+    from ampnb.watch.overflow import FORMAT, target, unpickling_error
+
     file = target(path)
     if not file.is_file():
         raise ValueError(f"path={str(path)!r} holds no saved step ({file} is missing); allowed: "
                          "what ampnb.watch(..., keep_overflow=...) wrote on a skipped step")
-    data = torch.load(file, weights_only=False)  # the user's own file: it holds their model
+    try:
+        data = torch.load(file, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, a damaged archive: refused alike
+        raise ValueError(f"{file} is not data only, so it was not loaded (torch.load with "
+                         f"weights_only=True: {unpickling_error(e)}); allowed: a file "
+                         "ampnb.watch(..., keep_overflow=...) wrote; trust_pickled_model=True "
+                         "trusts only the model inside such a file") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{file} is not a step saved by this version of ampnb.watch")
     return data
 
 
-def _model(data: dict[str, Any], model: nn.Module | None) -> nn.Module:
+def _model(data: dict[str, Any], model: nn.Module | None, trust: bool) -> nn.Module:
     from ampnb.watch.hooks import strip_gone
 
     if model is not None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model={type(model).__name__} is not allowed; allowed: None or a "
-                             f"fresh instance of {data['model_class']}")
-        model.load_state_dict(data["state_dict"])
-    elif data["model"] is not None:
-        model = torch.load(io.BytesIO(data["model"]), weights_only=False)
-        strip_gone(model)
-    else:
+        try:
+            model.load_state_dict(data["state_dict"])
+        except RuntimeError as e:  # torch's several lines: missing and unexpected keys, shapes
+            why = " ".join(str(e).split())[:200]
+            raise ValueError(f"model={type(model).__name__} does not take the kept state "
+                             f"({why}); allowed: a fresh instance of {data['model_class']}"
+                             ) from None
+    elif not isinstance(data["model"], bytes):
         raise ValueError(f"the watched {data['model_class']} could not be pickled; pass "
                          "model=, a fresh instance of it (its saved state is loaded into it)")
+    else:  # trust_pickled_model=True: the caller trusts the file, and only then is it unpickled
+        model = torch.load(io.BytesIO(data["model"]), weights_only=False)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"the pickled model is {type(model).__name__}, not an nn.Module; "
+                             "pass model=, a fresh instance of the watched model's class")
+        strip_gone(model)
     return model.train(data["training"])
 
 
@@ -156,11 +186,15 @@ class Replay(TableView):
 
 
 def replay(path: str | os.PathLike, model: nn.Module | None = None, *,
-           loss_fn: Callable[[Any], Any] | None = None) -> Replay:
+           loss_fn: Callable[[Any], Any] | None = None,
+           trust_pickled_model: bool = False) -> Replay:
     """Rerun the step `ampnb.watch(..., keep_overflow=path)` kept, and name the non-finite op.
 
-    model: a fresh instance of the watched model's class when it could not be pickled.
+    model: a fresh instance of the watched model's class; the kept state is loaded into it.
     loss_fn: loss_fn(output) -> the loss, when the model does not return its own.
+    trust_pickled_model: without model=, unpickle the model the file holds (runs code from the
+    file: only for a file you trust). The rest of the file is always loaded as data only.
     """
+    _check_arguments(path, model, trust_pickled_model)
     data = _load(path)
-    return Replay(path, data, _model(data, model), loss_fn)
+    return Replay(path, data, _model(data, model, trust_pickled_model), loss_fn)

@@ -17,6 +17,7 @@ them then.
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from ampnb._tree import map_tensors
 from ampnb.putback import Rng
 from ampnb.start import param_dtype
 from ampnb.step import _AUTOCAST_DEVICES
-from ampnb.watch import inputs, overflow, summary
+from ampnb.watch import inputs, overflow, owner, summary
 from ampnb.watch.hooks import Hook, StepState, fast_probe, float_outputs, module_names
 from ampnb.watch.records import StepRecord, log_path, write
 
@@ -83,7 +84,8 @@ class Watch:
         self._entries = {id(m): name for name, m in
                          [("", model), *model.named_children()]}
         self.overflow_file: Any = None  # the file keep_overflow wrote, once it has
-        self._log = log_path(log_dir, self.rank) if log_dir is not None else None
+        self._log = log_path(self.log_dir, self.rank) if self.log_dir is not None else None
+        self._shown = repr(os.fspath(log_dir)) if log_dir is not None else ""  # the user's spelling
         self._tb: Any = None
         self._guard = Guard(self._attach, self._detach)
         # entered, not applied: ampnb's SIGINT handler stays until close(), so an interrupt
@@ -157,6 +159,8 @@ class Watch:
     def _attach(self) -> list[Callable[[], None]]:
         undo: list[Callable[[], None]] = []
         try:
+            if self._log is not None:  # one watch per log_dir: another is refused until close()
+                undo.append(owner.claim(self._log, self._shown))
             undo.append(lambda: self._arm(False))
             for m in [self._model, *self._model.children()]:
                 undo.append(m.register_forward_pre_hook(

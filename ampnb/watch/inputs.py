@@ -85,9 +85,15 @@ def check_path(name: str, path: Any) -> str | os.PathLike | None:
     return path
 
 
+def real(path: str | os.PathLike) -> Path:
+    """The folder or file a path names, as the system resolves it: links followed, '..' taken
+    lexically past the folders that do not exist yet ('new/../a' is 'a', and 'new' is not made)."""
+    return Path(os.path.realpath(path))
+
+
 def _creatable(folder: Path) -> str | None:
     """Why files cannot be written in `folder` (None: they can); what it makes it takes away."""
-    made, p = [], folder
+    made, p = [], real(folder)
     while not p.exists() and p != p.parent:
         made.append(p)
         p = p.parent
@@ -105,36 +111,39 @@ def _creatable(folder: Path) -> str | None:
     return None
 
 
-def check_keep_overflow(path: Any) -> str | os.PathLike | None:
-    """None, or a path where the overflowing step's file can be written (tried now)."""
+def check_keep_overflow(path: Any) -> Path | None:
+    """None, or the path (resolved, see `real`) where the overflowing step's file can be
+    written (tried now)."""
     from ampnb.watch.overflow import target
 
     path = check_path("keep_overflow", path)
     if path is None:
         return None
-    file = target(path)
+    file = target(real(path))
     why = "it is a folder" if file.is_dir() else _creatable(file.parent)
     if why is not None:
         raise ValueError(f"keep_overflow={os.fspath(path)!r} cannot be written ({file}: {why}); "
                          "allowed: a path in a writable folder")
-    return path
+    return real(path)
 
 
-def check_log_dir(log_dir: Any, rank: int | None) -> str | os.PathLike | None:
-    """None, or a folder to write in that holds no other run's records (runs never merge)."""
+def check_log_dir(log_dir: Any, rank: int | None) -> Path | None:
+    """None, or the folder (resolved, see `real`) to write in, holding no other run's records
+    (runs never merge; `owner.claim` keeps a second watch out while this one is open)."""
+    from ampnb.watch.owner import holds_a_run
     from ampnb.watch.records import log_path
 
     log_dir = check_path("log_dir", log_dir)
     if log_dir is None:
         return None
-    shown, file = repr(os.fspath(log_dir)), log_path(log_dir, rank)
-    if Path(log_dir).exists() and not Path(log_dir).is_dir():
+    shown, folder = repr(os.fspath(log_dir)), real(log_dir)
+    file = log_path(folder, rank)
+    if folder.exists() and not folder.is_dir():
         raise ValueError(f"log_dir={shown} is a file; allowed: a folder (new or empty)")
     if file.exists():
-        raise ValueError(f"log_dir={shown} already holds a run ({file}); allowed: a new or "
-                         "empty folder, one run per log_dir, so that runs are never merged")
+        raise holds_a_run(shown, file)
     why = _creatable(file.parent)
     if why is not None:
         raise ValueError(f"log_dir={shown} cannot be written ({why}); allowed: a folder in a "
                          "writable place")
-    return log_dir
+    return folder

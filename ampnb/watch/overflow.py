@@ -1,11 +1,14 @@
 """keep_overflow: what the watch saves of the first overflowing step, so replay can rerun it.
 
-One file written with torch.save: the step's micro-batches (the forward inputs of the model, or
-of the child of it that the loop called, named in "entries"), the gradient the user's own loss
-sent into each micro-batch's outputs (so the replay's backward is the user's, loss scale
-included), the RNG states at its first forward, the autocast that was on, the model (pickled
-when it can be) and its state_dict, the optimizer's state_dict and the scaler's state, all as
-they were before the step's update.
+One file written with torch.save, data only: it loads with `torch.load(weights_only=True)`
+(tensors, dicts, lists, tuples, numbers, strings, bytes), checked right after it is written. It
+holds the step's micro-batches (the forward inputs of the model, or of the child of it that the
+loop called, named in "entries"; containers made plain: a namedtuple a tuple, a dataclass,
+ModelOutput or other Mapping a dict), the gradient the user's own loss sent into each
+micro-batch's outputs (so the replay's backward is the user's, loss scale included), the RNG
+states at its first forward, the autocast that was on, the model's state_dict, the optimizer's
+state_dict and the scaler's state, all as they were before the step's update, and the model
+pickled (bytes, when it can be), which replay unpickles only with `trust_pickled_model=True`.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampnb._tree import plain
+
 FILE_NAME = "overflow.pt"
-FORMAT = 3
+FORMAT = 4
 
 
 def target(path: str | os.PathLike) -> Path:
@@ -65,7 +70,7 @@ def save(path: str | os.PathLike, *, step: int, inputs: list, entries: list[str]
     torch.save({
         "format": FORMAT,
         "step": step,
-        "inputs": inputs,
+        "inputs": plain(inputs),
         "entries": entries,  # the module each forward entered ("": the model itself)
         "out_grads": out_grads,  # per micro-batch, per floating output: its gradient (or None)
         "rng": rng,
@@ -80,7 +85,27 @@ def save(path: str | os.PathLike, *, step: int, inputs: list, entries: list[str]
         "scale": scale,
         "loss": loss,
     }, file)
+    _check_data(file)
     return file
+
+
+def _check_data(file: Path) -> None:
+    """The file loads with weights_only=True (memory-mapped: the tensors are not read), or it is
+    removed and a ValueError says what in it is not data (an input of the user's own type, a
+    tensor subclass in the state_dict)."""
+    try:
+        torch.load(file, mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch's UnpicklingError, or what the global was
+        file.unlink()
+        raise ValueError(f"it would hold more than data ({unpickling_error(e)})") from None
+
+
+def unpickling_error(e: BaseException) -> str:
+    """torch's reason why weights_only refused a file, on one line."""
+    text = str(e)
+    rest = text.partition("WeightsUnpickler error:")[2].strip() or text.strip()
+    line = rest.splitlines()[0] if rest else type(e).__name__
+    return line.split(" was not an allowed")[0]
 
 
 def keep(path: str | os.PathLike, s: Any, model: nn.Module, optimizer: torch.optim.Optimizer,

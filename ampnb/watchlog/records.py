@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import types
+import typing
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +76,59 @@ class StepRecord:
 
     @classmethod
     def from_json(cls, line: str) -> StepRecord:
-        """The record one log line holds (unknown keys from newer versions ignored)."""
-        data = json.loads(line)
-        known = {f.name for f in fields(cls)}
-        layer_keys = {f.name for f in fields(LayerStats)}
-        data = {k: v for k, v in data.items() if k in known}
-        data["layers"] = tuple(LayerStats(**{k: v for k, v in d.items() if k in layer_keys})
-                               for d in data.get("layers", ()))
-        return cls(**data)
+        """The record one log line holds: every field present and of its type (unknown keys from
+        newer versions ignored); anything else is a ValueError saying what is wrong."""
+        try:
+            data = json.loads(line)
+        except RecursionError:
+            raise ValueError("nested too deep to be a record") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from None
+        return _typed("", data, cls)
+
+
+def _wrong(where: str, value: Any, allowed: str) -> ValueError:
+    what = f"field {where!r}" if where else "the line"
+    return ValueError(f"{what} is {'null' if value is None else type(value).__name__}, "
+                      f"not {allowed}")
+
+
+def _typed(where: str, value: Any, hint: Any) -> Any:
+    """`value` as the type `hint` (a field's annotation) says, checked; else a ValueError."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+    if typing.get_origin(hint) is tuple:  # tuple[X, ...]: a JSON list of X
+        if not isinstance(value, list):
+            raise _wrong(where, value, "a list")
+        return tuple(_typed(f"{where}[{k}]", v, args[0]) for k, v in enumerate(value))
+    if is_dataclass(hint):
+        return _record(where, value, hint)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # an integer past float's range
+            raise ValueError(f"field {where!r} is an integer too large for a float") from None
+    if (hint is int or hint is str) and type(value) is hint or hint is bool and isinstance(value, bool):
+        return value
+    allowed = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
+    raise _wrong(where, value, allowed.get(hint, str(hint)))
+
+
+def _record(where: str, value: Any, cls: type) -> Any:
+    """A dataclass from a JSON object holding every one of its fields."""
+    if not isinstance(value, dict):
+        raise _wrong(where, value, "a JSON object")
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for f in fields(cls):
+        name = f"{where}.{f.name}" if where else f.name
+        if f.name not in value:
+            raise ValueError(f"field {name!r} is missing")
+        found[f.name] = _typed(name, value[f.name], hints[f.name])
+    return cls(**found)
 
 
 def log_path(log_dir: str | Path, rank: int | None) -> Path:
@@ -100,18 +147,17 @@ def write(path: Path, records: Iterable[StepRecord]) -> None:
 
 
 def _records(path: Path) -> Iterator[StepRecord]:
-    """The records of one log file; a complete line that is not a record is an error naming
-    the file and line (a log is written only by the watch: a bad line means damage)."""
+    """The records of one log file; a complete line that is not a record is a ValueError
+    "<file>:<line>: what is wrong" (a log is written only by the watch: a bad line means damage)."""
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.endswith("\n"):  # a line still being written is read next time
                 continue
             try:
                 yield StepRecord.from_json(line)
-            except (ValueError, TypeError, AttributeError) as e:
-                raise ValueError(f"{path}, line {n} is not a record ampnb.watch wrote "
-                                 f"({type(e).__name__}); allowed: the lines the watch writes"
-                                 ) from None
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}; allowed: the lines ampnb.watch writes (a "
+                                 "JSON object with every StepRecord field)") from None
 
 
 def read_log(log_dir: str | Path) -> list[StepRecord]:

@@ -209,13 +209,16 @@ for la in layers_table(records, step=SHIFT - 1).layers:
 # %% [markdown]
 # ## 3. The skipped step, replayed
 #
-# `ampnb.doctor.replay(path)` loads the step the monitor kept: the model as it was before that
-# step, its batch, the RNG states, the autocast that was on and the scale. It reruns the forward
-# and backward under ampnb's non-finite hunter, which names the first op that made an inf or NaN
-# out of finite inputs:
+# `ampnb.doctor.replay(path, model=fresh())` loads the step the monitor kept into a fresh
+# instance of the model: its state as it was before that step, its batch, the RNG states, the
+# autocast that was on and the scale. The file is data only (it loads with
+# `torch.load(weights_only=True)`, so a file from someone else runs no code); only for a file you
+# trust does `trust_pickled_model=True` unpickle the model it also holds. The replay reruns the
+# forward and backward under ampnb's non-finite hunter, which names the first op that made an
+# inf or NaN out of finite inputs:
 
 # %%
-replay = ampnb.doctor.replay(monitor.watch.overflow_file)
+replay = ampnb.doctor.replay(monitor.watch.overflow_file, model=fresh())
 replay
 
 # %%
