@@ -188,8 +188,15 @@ def forward_loss(mode: PrecisionMode, model: Callable[..., Any], batch: Batch,
                  ) -> tuple[Any, torch.Tensor]:
     """The model's forward and the loss under the mode's forward context: (raw output, loss).
 
-    The output is converted between the two, outside the context, as Fabric converts it.
+    Mixed modes are torch.amp's recipe: inputs as given, forward and loss in one autocast
+    region, the outputs handed to the loss as the forward made them. True modes are Fabric's:
+    floating inputs cast to the mode's dtype, outputs cast back before the loss.
     """
+    if mode.is_mixed:
+        run = batch.to(device)
+        with mode.forward_context(device):
+            raw = run.call(model)
+            return raw, step_loss(raw, run, loss_fn)
     run = batch.to(device).convert(mode.convert_input)
     with mode.forward_context(device):
         raw = run.call(model)
