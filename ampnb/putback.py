@@ -12,7 +12,7 @@ import copy
 import functools
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,6 +234,25 @@ def globals_kept() -> Guard:
     return Guard(Globals.take, Globals.restore)
 
 
+@dataclass
+class DefaultDtype:
+    """The default dtype on entry, and the one the body left (None until it ends)."""
+
+    before: torch.dtype
+    left: torch.dtype | None = None
+
+
+def _dtype_back(kept: DefaultDtype) -> None:
+    kept.left = torch.get_default_dtype()
+    torch.set_default_dtype(kept.before)
+
+
+def default_dtype_kept() -> Guard:
+    """`with default_dtype_kept() as kept:` the default dtype put back on the way out, whatever
+    the body set; `kept.left` says what that was."""
+    return Guard(lambda: DefaultDtype(torch.get_default_dtype()), _dtype_back)
+
+
 # ---------------------------------------------------------------- every RNG
 
 
@@ -263,19 +282,22 @@ def _same_states(a: Any, b: Any) -> bool:
 @dataclass(frozen=True, eq=False)
 class Rng:
     """Every generator a model's forward may draw from: torch's CPU generator, every CUDA
-    generator once CUDA is up, numpy's global one (once imported) and Python's `random`."""
+    generator once CUDA is up, numpy's global one (once imported), Python's `random`, and the
+    user's own `torch.Generator`s handed to `take` (a DataLoader's, a `randn(generator=g)`'s)."""
 
     cpu: torch.Tensor
     cuda: list[torch.Tensor] | None = None
     numpy: Any = None
     python: Any = None
+    user: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
 
     @classmethod
-    def take(cls) -> Rng:
-        """Every generator's state now."""
+    def take(cls, generators: Iterable[torch.Generator] = ()) -> Rng:
+        """Every generator's state now (`generators`: the user's own, too)."""
         np = _numpy()
         return cls(torch.get_rng_state(), torch.cuda.get_rng_state_all() if _cuda_live() else None,
-                   np.random.get_state() if np is not None else None, random.getstate())
+                   np.random.get_state() if np is not None else None, random.getstate(),
+                   tuple((g, g.get_state()) for g in generators))
 
     def restore(self) -> None:
         """Every generator as taken."""
@@ -287,14 +309,20 @@ class Rng:
             np.random.set_state(self.numpy)
         if self.python is not None:
             random.setstate(self.python)
+        for g, state in self.user:
+            g.set_state(state)
 
     def same(self, other: Rng) -> bool:
         """Whether no generator has drawn between the two records."""
         return (torch.equal(self.cpu, other.cpu) and _same_states(self.cuda, other.cuda)
-                and self.python == other.python and _same_states(self.numpy, other.numpy))
+                and self.python == other.python and _same_states(self.numpy, other.numpy)
+                and len(self.user) == len(other.user)
+                and all(g is h and torch.equal(a, b)
+                        for (g, a), (h, b) in zip(self.user, other.user, strict=True)))
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain states by generator, as a saved file keeps them (absent generators left out)."""
+        """Plain states by generator, as a saved file keeps them (absent generators left out;
+        the user's own generators are objects of this process, not kept)."""
         found = {"torch": self.cpu, "python": self.python, "cuda": self.cuda, "numpy": self.numpy}
         return {k: v for k, v in found.items() if v is not None}
 
@@ -302,6 +330,17 @@ class Rng:
     def from_dict(cls, states: dict[str, Any]) -> Rng:
         """The record `as_dict` wrote."""
         return cls(states["torch"], states.get("cuda"), states.get("numpy"), states.get("python"))
+
+
+def user_generators(objects: Iterable[Any]) -> list[torch.Generator]:
+    """The `torch.Generator`s among `objects` and those a DataLoader or sampler there draws from."""
+    found: dict[int, torch.Generator] = {}
+    for obj in objects:
+        for g in (obj, getattr(obj, "generator", None),
+                  getattr(getattr(obj, "sampler", None), "generator", None)):
+            if isinstance(g, torch.Generator):
+                found.setdefault(id(g), g)
+    return list(found.values())
 
 
 def rng_kept() -> Guard:

@@ -25,6 +25,7 @@ from ampnb.batch import Batch, step_loss
 from ampnb.device import TF32Setting, tf32_context
 from ampnb.fp16_kernels import Fp16Kernels
 from ampnb.modes import PrecisionMode
+from ampnb.putback import default_dtype_kept
 from ampnb.selective import keep_fp32
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -163,11 +164,13 @@ def cell_context(s: StepSettings, models: nn.Module | Mapping[str, nn.Module] | 
                  ) -> Guard:
     """What a `%%amp` cell runs in (one process or a rank): everything under the mode's
     forward context except autograd's backward; optimizers step the mode's way (APEX masters);
-    no autocast-cached weight outlives an update. `as` [0] is the TF32 emulation or None."""
+    no autocast-cached weight outlives an update; a default dtype the cell sets is put back
+    under every mode. `as` [0] is the TF32 emulation or None, [-1] the `DefaultDtype`."""
     return all_of([tf32_context(s.tf32, s.device), s.mode.kernel_context(s.device, s.fp16_kernels),
                    s.mode.module_init_context(), s.mode.forward_context(s.device),
                    fresh_autocast_weights(), backward_outside_autocast(),
-                   s.mode.master_weights(None), *_kept(models, s.keep_fp32)])
+                   s.mode.master_weights(None), *_kept(models, s.keep_fp32),
+                   default_dtype_kept()])  # innermost: it sees what the cell itself left
 
 
 # ----- the step --------------------------------------------------------------------------------
