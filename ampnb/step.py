@@ -10,6 +10,7 @@ Every ampnb runner calls `train_step` (or `forward_loss` + the mode's hooks) ins
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampnb._interrupt import Guard
+from ampnb._weak import WeakIdMap
 from ampnb.backwards import seen_everywhere
 from ampnb.batch import Batch, step_loss
 from ampnb.device import TF32Setting, tf32_context
@@ -113,14 +115,23 @@ class _Versions:
 
     def __init__(self) -> None:
         self.seen: dict[int, int] = {}
+        # each module's own parameters, read once: `parameters()` walks generators on every
+        # forward of every module, the larger part of this hook's cost in a training loop
+        self.own = WeakIdMap()
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        for p in module.parameters(recurse=False):
+        own = self.own.get(module)
+        if own is None:
+            own = tuple(weakref.ref(p) for p in module.parameters(recurse=False))
+            self.own[module] = own
+        for ref in own:
+            p = ref()
             # a Tensor's version counter is the one thing an in-place write always changes
-            if self.seen.get(id(p), p._version) != p._version:
+            if p is not None and self.seen.get(id(p), p._version) != p._version:
                 torch.clear_autocast_cache()
                 self.seen.clear()
-            self.seen[id(p)] = p._version
+            if p is not None:
+                self.seen[id(p)] = p._version
 
 
 def fresh_autocast_weights() -> Guard:
