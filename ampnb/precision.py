@@ -29,7 +29,7 @@ class Precision:
     device: str
     scaler: torch.amp.GradScaler | None = None
     why: str = ""  # why this device (where the model's parameters are, or as stated)
-    # [backwards through this object, (backwards then, optimizer) at the last scale update]
+    # [backwards through this object, (backwards then, optimizers' ids) at the last update]
     _iteration: list = field(default_factory=lambda: [0, None], repr=False)
 
     @classmethod
@@ -71,18 +71,19 @@ class Precision:
         Several optimizers in one iteration go together, `optimizer_step([opt_a, opt_b])`, as
         torch's recipe has them: each stepped (or skipped), then one update of the scale.
         """
-        self._refuse_a_second_update(optimizer)
+        which = frozenset(map(id, optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]))
+        self._refuse_a_second_update(optimizer, which)
         stepped = self.mode.optimizer_step(optimizer, self.scaler, before_update)
         if self.scaler is not None and self.scaler.is_enabled():
-            self._iteration[1] = (self._iteration[0], optimizer)
+            self._iteration[1] = (self._iteration[0], which)
         return stepped
 
-    def _refuse_a_second_update(self, optimizer: Any) -> None:
+    def _refuse_a_second_update(self, optimizer: Any, which: frozenset[int]) -> None:
         """Another optimizer stepped and updated the scale since this object's last backward:
         this one's gradients were scaled by the scale before that update (torch's recipe: one
         `update()` per iteration, after every optimizer's step)."""
         last = self._iteration[1]
-        if last is None or last[0] != self._iteration[0] or last[1] is optimizer:
+        if last is None or last[0] != self._iteration[0] or last[1] == which:
             return
         raise ValueError(f"optimizer_step({type(optimizer).__name__}) after another optimizer's "
                          "step already updated the scale in this iteration; step them together, "
