@@ -8,8 +8,8 @@ parameters are on (a stated `device=` must agree) and makes the GradScaler the m
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,8 @@ class Precision:
     device: str
     scaler: torch.amp.GradScaler | None = None
     why: str = ""  # why this device (where the model's parameters are, or as stated)
+    # [backwards through this object, (backwards then, optimizers' ids) at the last update]
+    _iteration: list = field(default_factory=lambda: [0, None], repr=False)
 
     @classmethod
     def of(cls, mode: str | int | PrecisionMode, *, model: nn.Module | None = None,
@@ -43,6 +45,8 @@ class Precision:
                              "allowed: None (only 16-mixed and its kin use a GradScaler)")
         if scaler is None:
             scaler = found.make_scaler(where.device)
+        else:
+            _check_scaler(scaler, where.device, where.why)
         return cls(found, where.device, scaler, where.why)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
@@ -57,12 +61,34 @@ class Precision:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss backward, scaled by the bound scaler where there is one."""
+        self._iteration[0] += 1
         return self.mode.backward(loss, self.scaler)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer,
+    def optimizer_step(self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
                        before_update: Callable[[], None] | None = None) -> bool:
-        """Unscale, `before_update` (clip), step or skip, update the scale. True: it stepped."""
-        return self.mode.optimizer_step(optimizer, self.scaler, before_update)
+        """Unscale, `before_update` (clip), step or skip, update the scale. True: it stepped.
+
+        Several optimizers in one iteration go together, `optimizer_step([opt_a, opt_b])`, as
+        torch's recipe has them: each stepped (or skipped), then one update of the scale.
+        """
+        which = frozenset(map(id, optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]))
+        self._refuse_a_second_update(optimizer, which)
+        stepped = self.mode.optimizer_step(optimizer, self.scaler, before_update)
+        if self.scaler is not None and self.scaler.is_enabled():
+            self._iteration[1] = (self._iteration[0], which)
+        return stepped
+
+    def _refuse_a_second_update(self, optimizer: Any, which: frozenset[int]) -> None:
+        """Another optimizer stepped and updated the scale since this object's last backward:
+        this one's gradients were scaled by the scale before that update (torch's recipe: one
+        `update()` per iteration, after every optimizer's step)."""
+        last = self._iteration[1]
+        if last is None or last[0] != self._iteration[0] or last[1] == which:
+            return
+        raise ValueError(f"optimizer_step({type(optimizer).__name__}) after another optimizer's "
+                         "step already updated the scale in this iteration; step them together, "
+                         "p.optimizer_step([opt_a, opt_b]) (torch's recipe: one scaler.update() "
+                         "per iteration, after every optimizer's step)")
 
     def step(self, model: Callable[..., Any], optimizer: torch.optim.Optimizer, batch: Any,
              loss_fn: Callable[..., Any] | None = None,
@@ -74,3 +100,16 @@ class Precision:
     def __repr__(self) -> str:
         scaler = "none" if self.scaler is None else f"GradScaler(scale={self.scaler.get_scale():g})"
         return f"Precision({self.mode.name} on {self.device}, scaler {scaler})"
+
+
+def _check_scaler(scaler: torch.amp.GradScaler, device: str, why: str) -> None:
+    """A scaler torch disabled, or one for another device, would train with no loss scaling."""
+    where = getattr(scaler, "_device", "cuda")  # the constructor's device, as torch keeps it
+    named = f"GradScaler({where!r}" + ("" if scaler.is_enabled() else ", enabled=False") + ")"
+    if not scaler.is_enabled():
+        raise ValueError(f"scaler={named} is disabled (torch disables a {where!r} scaler where "
+                         f"{where} is absent), so 16-mixed on {device} would train with no loss "
+                         f"scaling; allowed: an enabled GradScaler({torch.device(device).type!r})")
+    if torch.device(where).type != torch.device(device).type:
+        raise ValueError(f"scaler={named} scales on {where}, but this Precision runs on {device} "
+                         f"({why}); allowed: GradScaler({torch.device(device).type!r})")

@@ -12,7 +12,7 @@ import copy
 import functools
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,6 +236,25 @@ def globals_kept() -> Guard:
     return Guard(Globals.take, Globals.restore)
 
 
+@dataclass
+class DefaultDtype:
+    """The default dtype on entry, and the one the body left (None until it ends)."""
+
+    before: torch.dtype
+    left: torch.dtype | None = None
+
+
+def _dtype_back(kept: DefaultDtype) -> None:
+    kept.left = torch.get_default_dtype()
+    torch.set_default_dtype(kept.before)
+
+
+def default_dtype_kept() -> Guard:
+    """`with default_dtype_kept() as kept:` the default dtype put back on the way out, whatever
+    the body set; `kept.left` says what that was."""
+    return Guard(lambda: DefaultDtype(torch.get_default_dtype()), _dtype_back)
+
+
 # ---------------------------------------------------------------- every RNG
 
 
@@ -265,19 +284,22 @@ def _same_states(a: Any, b: Any) -> bool:
 @dataclass(frozen=True, eq=False)
 class Rng:
     """Every generator a model's forward may draw from: torch's CPU generator, every CUDA
-    generator once CUDA is up, numpy's global one (once imported) and Python's `random`."""
+    generator once CUDA is up, numpy's global one (once imported), Python's `random`, and the
+    user's own `torch.Generator`s handed to `take` (a DataLoader's, a `randn(generator=g)`'s)."""
 
     cpu: torch.Tensor
     cuda: list[torch.Tensor] | None = None
     numpy: Any = None
     python: Any = None
+    user: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
 
     @classmethod
-    def take(cls) -> Rng:
-        """Every generator's state now."""
+    def take(cls, generators: Iterable[torch.Generator] = ()) -> Rng:
+        """Every generator's state now (`generators`: the user's own, too)."""
         np = _numpy()
         return cls(torch.get_rng_state(), torch.cuda.get_rng_state_all() if _cuda_live() else None,
-                   np.random.get_state() if np is not None else None, random.getstate())
+                   np.random.get_state() if np is not None else None, random.getstate(),
+                   tuple((g, g.get_state()) for g in generators))
 
     def restore(self) -> None:
         """Every generator as taken."""
@@ -289,15 +311,21 @@ class Rng:
             np.random.set_state(self.numpy)
         if self.python is not None:
             random.setstate(self.python)
+        for g, state in self.user:
+            g.set_state(state)
 
     def same(self, other: Rng) -> bool:
         """Whether no generator has drawn between the two records."""
         return (torch.equal(self.cpu, other.cpu) and _same_states(self.cuda, other.cuda)
-                and self.python == other.python and _same_states(self.numpy, other.numpy))
+                and self.python == other.python and _same_states(self.numpy, other.numpy)
+                and len(self.user) == len(other.user)
+                and all(g is h and torch.equal(a, b)
+                        for (g, a), (h, b) in zip(self.user, other.user, strict=True)))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain states by generator, as a saved file keeps them: data only (numpy's key array
-        as a tensor), so the file loads with weights_only=True; absent generators left out."""
+        as a tensor), so the file loads with weights_only=True; absent generators left out; the
+        user's own generators are objects of this process, not kept."""
         np_state = self.numpy
         if np_state is not None:  # ('MT19937', key array, pos, has_gauss, cached_gaussian)
             np_state = (np_state[0], torch.from_numpy(np_state[1].astype("int64")), *np_state[2:])
@@ -312,6 +340,17 @@ class Rng:
             np_state = None if np is None else (
                 np_state[0], np.asarray(np_state[1], dtype=np.uint32), *np_state[2:])
         return cls(states["torch"], states.get("cuda"), np_state, states.get("python"))
+
+
+def user_generators(objects: Iterable[Any]) -> list[torch.Generator]:
+    """The `torch.Generator`s among `objects` and those a DataLoader or sampler there draws from."""
+    found: dict[int, torch.Generator] = {}
+    for obj in objects:
+        for g in (obj, getattr(obj, "generator", None),
+                  getattr(getattr(obj, "sampler", None), "generator", None)):
+            if isinstance(g, torch.Generator):
+                found.setdefault(id(g), g)
+    return list(found.values())
 
 
 def rng_kept() -> Guard:

@@ -10,6 +10,7 @@ Every ampnb runner calls `train_step` (or `forward_loss` + the mode's hooks) ins
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,11 +21,13 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ampnb._interrupt import Guard
+from ampnb._weak import WeakIdMap
 from ampnb.backwards import seen_everywhere
 from ampnb.batch import Batch, step_loss
 from ampnb.device import TF32Setting, tf32_context
 from ampnb.fp16_kernels import Fp16Kernels
 from ampnb.modes import PrecisionMode
+from ampnb.putback import default_dtype_kept
 from ampnb.selective import keep_fp32
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -112,14 +115,23 @@ class _Versions:
 
     def __init__(self) -> None:
         self.seen: dict[int, int] = {}
+        # each module's own parameters, read once: `parameters()` walks generators on every
+        # forward of every module, the larger part of this hook's cost in a training loop
+        self.own = WeakIdMap()
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        for p in module.parameters(recurse=False):
+        own = self.own.get(module)
+        if own is None:
+            own = tuple(weakref.ref(p) for p in module.parameters(recurse=False))
+            self.own[module] = own
+        for ref in own:
+            p = ref()
             # a Tensor's version counter is the one thing an in-place write always changes
-            if self.seen.get(id(p), p._version) != p._version:
+            if p is not None and self.seen.get(id(p), p._version) != p._version:
                 torch.clear_autocast_cache()
                 self.seen.clear()
-            self.seen[id(p)] = p._version
+            if p is not None:
+                self.seen[id(p)] = p._version
 
 
 def fresh_autocast_weights() -> Guard:
@@ -163,11 +175,13 @@ def cell_context(s: StepSettings, models: nn.Module | Mapping[str, nn.Module] | 
                  ) -> Guard:
     """What a `%%amp` cell runs in (one process or a rank): everything under the mode's
     forward context except autograd's backward; optimizers step the mode's way (APEX masters);
-    no autocast-cached weight outlives an update. `as` [0] is the TF32 emulation or None."""
+    no autocast-cached weight outlives an update; a default dtype the cell sets is put back
+    under every mode. `as` [0] is the TF32 emulation or None, [-1] the `DefaultDtype`."""
     return all_of([tf32_context(s.tf32, s.device), s.mode.kernel_context(s.device, s.fp16_kernels),
                    s.mode.module_init_context(), s.mode.forward_context(s.device),
                    fresh_autocast_weights(), backward_outside_autocast(),
-                   s.mode.master_weights(None), *_kept(models, s.keep_fp32)])
+                   s.mode.master_weights(None), *_kept(models, s.keep_fp32),
+                   default_dtype_kept()])  # innermost: it sees what the cell itself left
 
 
 # ----- the step --------------------------------------------------------------------------------
@@ -188,8 +202,15 @@ def forward_loss(mode: PrecisionMode, model: Callable[..., Any], batch: Batch,
                  ) -> tuple[Any, torch.Tensor]:
     """The model's forward and the loss under the mode's forward context: (raw output, loss).
 
-    The output is converted between the two, outside the context, as Fabric converts it.
+    Mixed modes are torch.amp's recipe: inputs as given, forward and loss in one autocast
+    region, the outputs handed to the loss as the forward made them. True modes are Fabric's:
+    floating inputs cast to the mode's dtype, outputs cast back before the loss.
     """
+    if mode.is_mixed:
+        run = batch.to(device)
+        with mode.forward_context(device):
+            raw = run.call(model)
+            return raw, step_loss(raw, run, loss_fn)
     run = batch.to(device).convert(mode.convert_input)
     with mode.forward_context(device):
         raw = run.call(model)

@@ -22,6 +22,7 @@ loss.backward()
 opt.step()
 """
 REPEAT, WARMUP = 31, 3
+LOOP_STEPS, LOOP_REPEAT = 50, 15
 COMPARE_REPEAT, COMPARE_ROUNDS = 3, 6
 OVERHEAD_GOAL = 1.05
 COMPARE_TOLERANCE = 0.10
@@ -66,13 +67,22 @@ def _autocast_cell(body: str, dtype: torch.dtype, device: str) -> str:
             + textwrap.indent(body, "    "))
 
 
-def _recipe_cell(mode: str, dtype: torch.dtype, device: str) -> str:
-    """The recipe, with the products run in the fp16 kernels %%amp picks for the mode here."""
+def _recipe_cell(mode: str, dtype: torch.dtype, device: str, steps: int = 0) -> str:
+    """The recipe (a loop of `steps` when given), with the products run in the fp16 kernels
+    %%amp picks for the mode here."""
     cell = RECIPE.format(device=device, dtype=str(dtype).removeprefix("torch."))
+    if steps:
+        cell = _looped(cell, steps)
     if dtype != torch.float16:
         return cell
     return ("with ampnb.fp16_kernels.fp16_kernel_context(" + repr(device) + "):\n"
             + textwrap.indent(cell, "    "))
+
+
+def _looped(cell: str, steps: int) -> str:
+    """The one-step cell as a loop of `steps`, each step on the next batch."""
+    return (f"for _bench_i in range({steps}):\n"
+            + textwrap.indent(cell.replace("batches[0]", "batches[_bench_i % len(batches)]"), "    "))
 
 
 def _clock(device: str) -> Any:
@@ -108,6 +118,23 @@ def _overhead(ip: Any, mode: str, dtype: torch.dtype, device: str) -> list[Resul
                f"%%amp {ms(empty['amp'])}, torch.autocast cell {ms(empty['hand'])}: "
                f"+{ms(fixed)}", fixed / times["hand"], "reported", None),
     ]
+
+
+def _loop(ip: Any, mode: str, dtype: torch.dtype, device: str) -> list[Result]:
+    """A 50-step loop in one %%amp cell against the same loop written with torch.autocast."""
+    steps, clock = LOOP_STEPS, _clock(device)
+    body, hand = _looped(CELL, steps), _recipe_cell(mode, dtype, device, steps)
+    times = interleaved_medians({
+        "hand": lambda: _run(ip, hand),
+        "amp": lambda: _run(ip, f"%%amp {mode} --device {device} -q\n{body}"),
+    }, repeat=LOOP_REPEAT, warmup=1, device=device, clock=clock)
+    ratio = times["amp"] / times["hand"]
+    per_step = (times["amp"] - times["hand"]) / steps
+    return [Result(f"%%amp {mode} -q cell looping {steps} steps vs the same loop with "
+                   f"torch.autocast (demo gpt, {device}, 1 thread)",
+                   f"%%amp {ms(times['amp'])}, torch.autocast loop {ms(times['hand'])}: "
+                   f"+{ms(per_step)} a step", ratio, f"<= {OVERHEAD_GOAL:.2f}x",
+                   ratio <= OVERHEAD_GOAL)]
 
 
 def _hand_times(d: Any, dtype: torch.dtype, device: str) -> dict[str, list[float]]:
@@ -174,6 +201,7 @@ def run() -> list[Result]:
         try:
             for mode, dtype in modes.items():
                 rows += _overhead(ip, mode, dtype, device)
+                rows += _loop(ip, mode, dtype, device)
                 rows.append(_compare(ip, d, mode, dtype, device))
         finally:
             ip.run_line_magic("unload_ext", "ampnb")

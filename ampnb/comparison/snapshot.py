@@ -19,7 +19,15 @@ from torch import nn
 
 from ampnb._tree import named_leaves
 from ampnb.modes import PrecisionMode
-from ampnb.putback import ModuleFlags, ObjectCopy, OptimizerCopy, Rng, TensorCopy, version
+from ampnb.putback import (
+    ModuleFlags,
+    ObjectCopy,
+    OptimizerCopy,
+    Rng,
+    TensorCopy,
+    user_generators,
+    version,
+)
 from ampnb.selective import matching_modules
 
 TENSOR_BUDGET = 256 * 2**20  # free tensors copied up to this many bytes; larger ones are watched
@@ -103,16 +111,17 @@ class StartState:
     def __init__(self, ns: MutableMapping[str, Any], used: Iterable[str] = ()) -> None:
         self.ns, self.used = ns, set(used)
         self.bindings = dict(ns)
-        self.rng = Rng.take()
         self.found: dict[str, str] = {}  # name -> what kind of state it holds
         self.modules: dict[int, nn.Module] = {}
         self.objects: list[Any] = []
         self.unsaved: list[str] = []  # large free tensors: watched, not copied
         seen: dict[int, Any] = {}
+        leaves: list[Any] = []
         for name, value in self.bindings.items():
             if name.startswith("_") or name in _SKIP or isinstance(value, (types.ModuleType, type)):
                 continue
             for path, leaf in _walk(value, name):
+                leaves.append(leaf)
                 if id(leaf) not in seen and isinstance(leaf, (nn.Module, torch.Tensor, *_OBJECTS)):
                     seen[id(leaf)] = (path, leaf)
         for path, leaf in list(seen.values()):  # what schedulers hold is reachable too
@@ -123,6 +132,8 @@ class StartState:
                 for p, obj in inner:
                     if obj is not None and id(obj) not in seen:
                         seen[id(obj)] = (p, obj)
+        # the user's own generators (g = torch.Generator(); a DataLoader's) start each run alike
+        self.rng = Rng.take(user_generators(leaves))
         # Deep copies of a scheduler's or scaler's attributes keep these objects themselves.
         self.memo = {i: obj for i, (_, obj) in seen.items()}
         self._save(list(seen.values()))

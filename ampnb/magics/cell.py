@@ -35,8 +35,22 @@ class CellSyntaxError(Exception):
         return self._shell.SyntaxTB.structured_traceback(type(self.error), self.error, [])
 
 
+_last: dict[tuple[int, Any, str], CompiledCell] = {}  # the cell being run, compiled once
+
+
 def compile_cell(shell: Any, cell: str) -> CompiledCell:
-    """Transform (IPython syntax), parse and compile a cell as IPython itself would."""
+    """Transform (IPython syntax), parse and compile a cell as IPython itself would (once per
+    execution: the placement and the run ask for the same cell)."""
+    key = (id(shell), shell.execution_count, cell)
+    found = _last.get(key)
+    if found is None:
+        found = _compile(shell, cell)
+        _last.clear()
+        _last[key] = found
+    return found
+
+
+def _compile(shell: Any, cell: str) -> CompiledCell:
     try:
         code = shell.transform_cell(cell)
         # Cached under a name linecache knows, so tracebacks show the cell's own lines.

@@ -18,7 +18,7 @@ from ampnb.device import Placement
 from ampnb.display import dtype_name
 from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
-from ampnb.magics.runs import _available, _notes, _tf32_text
+from ampnb.magics.runs import _available, _notes, _tf32_text, measure_apart
 from ampnb.modes import MODES, PrecisionMode, get_mode
 from ampnb.step import StepSettings
 
@@ -93,6 +93,7 @@ def run_compare(shell: Any, cell: str, s: StepSettings, modes_text: str, repeat:
     __tracebackhide__ = True  # noqa: F841
     modes = compare_modes(modes_text, s.device)
     compiled = compile_cell(shell, cell)
+    measure_apart(modes, s.device)
     ns = shell.user_ns
     with Guard(lambda: StartState(ns, used_names(compiled.names, ns)), lambda st: st.restore()) as start:
         runs = _Runs(start, ns, compiled.names)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
@@ -30,7 +32,7 @@ from ampnb.device import (
     tf32_state,
 )
 from ampnb.device import tf32_setting as _core_tf32_setting
-from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
+from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note, native_slowdown
 from ampnb.magics import instruments
 from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
@@ -140,6 +142,17 @@ def _support_note(mode: PrecisionMode, device: str, fp16_kernels: Fp16Kernels,
     return ""
 
 
+def measure_apart(modes: Iterable[PrecisionMode], device: str) -> None:
+    """Take the notes' one measurement (fp16's native slowdown, timed once per process) in a
+    thread of its own: torch's dispatch and function modes, autocast and grad mode are per
+    thread, so none the user has entered around the cell sees its matmuls."""
+    if (get_device(device).type != "cpu" or native_slowdown.cache_info().currsize
+            or all(m.compute_dtype != torch.float16 for m in modes)):
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="ampnb-probe") as apart:
+        apart.submit(native_slowdown).result()
+
+
 def _notes(s: StepSettings, mode: PrecisionMode, emulation: Any = None) -> list[str]:
     notes = []
     if said := _support_note(mode, s.device, fp16_kernels_choice(), cpu_features()):
@@ -171,6 +184,15 @@ def _true_mode_note(mode: PrecisionMode, run_made: tuple) -> list[str]:
             f"(convert them with .to(torch.{dt}))"]
 
 
+def _dtype_note(kept: Any) -> list[str]:
+    """The default dtype the cell set, put back as after every %%amp cell."""
+    if kept.left is None or kept.left == kept.before:
+        return []
+    left, back = (str(d).removeprefix("torch.") for d in (kept.left, kept.before))
+    return [f"the cell set the default dtype to {left}; put back to {back} after it, as under "
+            "every mode (set it outside %%amp to keep it)"]
+
+
 def _state_note(before: _state.TorchState, after: _state.TorchState) -> list[str]:
     changed = [f.name for f in fields(before) if getattr(before, f.name) != getattr(after, f.name)]
     if not changed:
@@ -185,6 +207,7 @@ def run_once(shell: Any, cell: str, s: StepSettings, args: Any,
     __tracebackhide__ = True  # noqa: F841
     compiled = compile_cell(shell, cell)
     ns = shell.user_ns
+    measure_apart([s.mode], s.device)
     watch, before = Watch(ns), _state.snapshot()
     probes = instruments.probes(args, s)
     dev = torch.device(s.device)
@@ -204,11 +227,11 @@ def run_once(shell: Any, cell: str, s: StepSettings, args: Any,
             instruments.note_finding(e, probes)
             without_override_frames(e)  # in place: the user's error ends at the user's line
             raise
-    emulation = entered[0][0]
+    emulation, kept = entered[0][0], entered[0][-1]
     made = watch.made(value)
     after = _state.snapshot()
     notes = (_notes(s, s.mode, emulation) + mode_notes(s, s.mode, models)
-             + _true_mode_note(s.mode, made) + _state_note(before, after))
+             + _true_mode_note(s.mode, made) + _dtype_note(kept) + _state_note(before, after))
     code = show_code(s.mode, s.device, s.tf32, cell, args.mode) if args.show_code else None
     return AmpRun(s.mode.name, s.device, _tf32_text(s, after), seconds, made, tuple(notes), value,
                   code=code, extras=instruments.reports(probes),

@@ -8,7 +8,7 @@ it knows none of them, and nothing of display.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -168,23 +168,47 @@ class PrecisionMode:
         scaled.backward()
         return scaled
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer,
+    def optimizer_step(self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
                        scaler: torch.amp.GradScaler | None = None,
                        before_update: Callable[[], None] | None = None) -> bool:
         """Fabric's `optimizer_step`: unscale, `before_update` (clip), step or skip, update the
-        scale; on the mode's master weights. True when optimizer.step() ran."""
-        ran = []
-        with self.master_weights(optimizer), Guard(
-                lambda: optimizer.register_step_post_hook(lambda *_: ran.append(True)),
-                lambda handle: handle.remove()):
-            if scaler is not None and scaler.is_enabled():
-                scaler.unscale_(optimizer)
-                if before_update is not None:
-                    before_update()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                if before_update is not None:
-                    before_update()
-                optimizer.step()
-        return bool(ran)
+        scale; on the mode's master weights. True when every optimizer.step() ran.
+
+        Several optimizers follow torch's multi-optimizer recipe: each unscaled, `before_update`
+        once, each stepped (or skipped on its own infs), then one update of the scale.
+        """
+        optimizers = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
+        ran: set[int] = set()
+
+        def watch() -> list[Any]:
+            return [o.register_step_post_hook(lambda o, *_: ran.add(id(o))) for o in optimizers]
+
+        with Guard(watch, lambda handles: [h.remove() for h in handles]):
+            self._on_masters(optimizers, lambda: _update(optimizers, scaler, before_update))
+        return len(ran) == len(optimizers)
+
+    def _on_masters(self, optimizers: tuple[torch.optim.Optimizer, ...], body: Callable[[], None]) -> None:
+        """`body` inside each optimizer's `master_weights` (nested, one `with` per optimizer)."""
+        if not optimizers:
+            body()
+            return
+        with self.master_weights(optimizers[0]):
+            self._on_masters(optimizers[1:], body)
+
+
+def _update(optimizers: tuple[torch.optim.Optimizer, ...], scaler: torch.amp.GradScaler | None,
+            before_update: Callable[[], None] | None) -> None:
+    """torch's recipe: unscale_ each, before_update, step each (a scaler skips on infs), one update."""
+    scaled = scaler is not None and scaler.is_enabled()
+    if scaled:
+        for o in optimizers:
+            scaler.unscale_(o)
+    if before_update is not None:
+        before_update()
+    for o in optimizers:
+        if scaled:
+            scaler.step(o)
+        else:
+            o.step()
+    if scaled:
+        scaler.update()
