@@ -13,8 +13,10 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "FloatFormat": "ampnb.formats",
     "FORMATS": "ampnb.formats",
-    "get_format": "ampnb.formats",
-    "quantize": "ampnb.formats",
+    "get_format": "ampnb.block_formats",
+    "quantize": "ampnb.block_formats",
+    "BlockFormat": "ampnb.block_formats",
+    "BLOCK_FORMATS": "ampnb.block_formats",
     "PrecisionMode": "ampnb.modes",
     "MODES": "ampnb.modes",
     "get_mode": "ampnb.modes",
