@@ -41,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     "set_fp16_kernels": "ampnb.fp16_kernels",
     "emulated_fp16_kernels": "ampnb.fp16_kernels",
     "run_distributed": "ampnb.distributed",
+    "what_if": "ampnb.whatif",
+    "WhatIf": "ampnb.whatif",
 }
 _SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
                "lowbit", "distributed", "watch", "integrations"}

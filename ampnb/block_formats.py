@@ -134,12 +134,22 @@ def quantize(x: torch.Tensor, fmt: str | torch.dtype | FloatFormat | BlockFormat
         raise ValueError(f"tensor_scale is for nvfp4 only, not {f.name}")
     if x.numel() == 0:
         return x.clone()
+    return quantize_blocks(x, f, tensor_scale)[0].to(x.dtype)
+
+
+def quantize_blocks(x: torch.Tensor, f: BlockFormat, tensor_scale: float | torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x quantized into f in fp32, where its scaled value was clamped past the element's max)."""
     blocks, length = _blocks(x, f.block_size)
     if f.tensor_scale is None:
-        out = _mx_blocks(blocks, f)
+        out, clamped = _mx_blocks(blocks, f)
     else:
-        out = _nvfp4_blocks(blocks, f, _tensor_scale(x, f, tensor_scale))
-    return out.flatten(-2)[..., :length].reshape(x.shape).to(x.dtype)
+        out, clamped = _nvfp4_blocks(blocks, f, _tensor_scale(x, f, tensor_scale))
+
+    def unblock(t: torch.Tensor) -> torch.Tensor:
+        return t.flatten(-2)[..., :length].reshape(x.shape)
+
+    return unblock(out), unblock(clamped)
 
 
 def _blocks(x: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
@@ -157,10 +167,15 @@ def _elements(scaled: torch.Tensor, element: FloatFormat) -> torch.Tensor:
     dtype = _ELEMENT_DTYPES.get(element.name)
     if dtype is not None:
         return scaled.to(getattr(torch, dtype)).float()
-    return formats.quantize(scaled, element)
+    # No torch dtype (e2m1): below the normals a fixed step, rounded half to even by
+    # torch.round; above, RNE on fp32's bits (no overflow: the values are clamped to max).
+    step = element.smallest_subnormal
+    sub = torch.round(scaled / step) * step
+    return torch.where(scaled.abs() < element.smallest_normal, sub,
+                       formats.round_fp32_bits(scaled, element))
 
 
-def _mx_blocks(blocks: torch.Tensor, f: BlockFormat) -> torch.Tensor:
+def _mx_blocks(blocks: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """OCP MX scale X = 2**(floor(log2(amax)) - emax_elem) (torchao's FLOOR mode), then RNE.
 
     As torchao's reference does: the exponent is read off amax's fp32 bits (so an fp32
@@ -174,22 +189,27 @@ def _mx_blocks(blocks: torch.Tensor, f: BlockFormat) -> torch.Tensor:
     pow2 = (amax.view(torch.int32).bitwise_right_shift(23).bitwise_and(0xFF)) - 127
     biased = (pow2 - f.element.max_exponent).clamp(-127, 128) + 127
     divide_by = biased.bitwise_left_shift(23).view(torch.float32).clamp(min=2.0**-126)
-    scaled = (blocks / divide_by).clamp(-f.element.max, f.element.max)
+    scaled = blocks / divide_by
+    clamped = scaled.abs() > f.element.max
+    scaled = scaled.clamp(-f.element.max, f.element.max)
     scale = biased.bitwise_left_shift(23).view(torch.float32)  # the e8m0 value, exactly
     scale = torch.where(biased == 0, 2.0**-127, scale)  # e8m0's lowest is an fp32 subnormal
     scale = torch.where(torch.isnan(amax), math.nan, scale)
-    return _elements(scaled, f.element) * scale
+    return _elements(scaled, f.element) * scale, clamped
 
 
-def _nvfp4_blocks(blocks: torch.Tensor, f: BlockFormat, tensor_scale: torch.Tensor) -> torch.Tensor:
+def _nvfp4_blocks(blocks: torch.Tensor, f: BlockFormat, tensor_scale: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4: block scale amax/6 divided by the tensor scale, rounded to e4m3 (clamped to
     [smallest normal, 448], as torchao's reference does); elements RNE to e2m1, saturating."""
     amax = blocks.abs().amax(-1, keepdim=True)
     e4m3 = f.scale
     block_scale = (amax / f.element.max / tensor_scale).clamp(e4m3.smallest_normal, e4m3.max)
     block_scale = block_scale.to(e4m3.torch_dtype).float()
-    scaled = (blocks * ((1.0 / tensor_scale) / block_scale)).clamp(-f.element.max, f.element.max)
-    return _elements(scaled, f.element) * (tensor_scale * block_scale)
+    scaled = blocks * ((1.0 / tensor_scale) / block_scale)
+    clamped = scaled.abs() > f.element.max
+    scaled = scaled.clamp(-f.element.max, f.element.max)
+    return _elements(scaled, f.element) * (tensor_scale * block_scale), clamped
 
 
 def _tensor_scale(x: torch.Tensor, f: BlockFormat, given: float | torch.Tensor | None) -> torch.Tensor:

@@ -215,3 +215,12 @@ def test_float_formats_unchanged():
     x = torch.randn(100)
     assert ampnb.get_format("bf16") is FORMATS["bf16"]
     assert torch.equal(ampnb.quantize(x, "bf16"), x.bfloat16().float())
+
+
+def test_e2m1_rounding_is_quantize():
+    """The fast e2m1 path inside the block casts rounds as `formats.quantize` does."""
+    from ampnb.block_formats import _elements
+
+    v = torch.linspace(-6, 6, 200001)
+    v = torch.cat([v, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 0.0, -0.0])])
+    assert same(_elements(v, FORMATS["fp4_e2m1"]), ampnb.quantize(v, "fp4_e2m1"))

@@ -19,5 +19,6 @@ _EXPORTS = {
     "plot_side_by_side": "ampnb.plots.fp8",
     "plot_optimizer_losses": "ampnb.plots.lowbit",
     "plot_reduction_error": "ampnb.plots.reduction",
+    "plot_what_if": "ampnb.plots.what_if",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
