@@ -59,7 +59,7 @@ def test_rows_are_compute_error_on_torchaos_casts():
             row = result.get(module, tensor, fmt)
             q = cast(t)
             expected = torchao_utils.compute_error(t.double(), q.double()).item()
-            assert row.sqnr_db == pytest.approx(expected, rel=1e-9, abs=1e-9), (module, tensor, fmt)
+            assert row.sqnr_db == pytest.approx(expected, abs=1e-5), (module, tensor, fmt)
             assert row.underflow == ((t != 0) & (q == 0)).sum().item() / t.numel()
             assert row.numel == t.numel()
 
@@ -122,7 +122,7 @@ def test_convolutions_block_along_channels():
     t = x.movedim(1, -1).contiguous()
     q = mx.MXTensor.to_mx(t, torch.float8_e4m3fn, 32).dequantize(torch.float32)
     expected = torchao_utils.compute_error(t.double(), q.double()).item()
-    assert result.get("0", "input", "mxfp8_e4m3").sqnr_db == pytest.approx(expected, rel=1e-9)
+    assert result.get("0", "input", "mxfp8_e4m3").sqnr_db == pytest.approx(expected, abs=1e-5)
 
 
 def test_transformers_conv1d():
@@ -134,7 +134,7 @@ def test_transformers_conv1d():
     w = layer.weight.detach().t().contiguous()  # blocks along in, as nn.Linear's
     q = mx.MXTensor.to_mx(w, torch.float4_e2m1fn_x2, 32).dequantize(torch.float32)
     expected = torchao_utils.compute_error(w.double(), q.double()).item()
-    assert result.get("", "weight", "mxfp4").sqnr_db == pytest.approx(expected, rel=1e-9)
+    assert result.get("", "weight", "mxfp4").sqnr_db == pytest.approx(expected, abs=1e-5)
 
 
 def test_model_own_loss_and_table():

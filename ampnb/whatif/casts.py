@@ -1,7 +1,7 @@
 """The casts a what-if compares: plain float casts, FP8 scaled per tensor or per row, block-scaled.
 
-Each cast takes an fp32 tensor and returns (its quantized values in fp32, where it overflowed or
-saturated). FP8 tensorwise and rowwise scale to amax as torchao's float8 does
+Each cast takes an fp32 tensor and returns (its quantized values in fp32, how many values
+overflowed or saturated). FP8 tensorwise and rowwise scale to amax as torchao's float8 does
 (`amax_to_scale`: max / amax, amax clamped at 1e-12; its rowwise recipe rounds each row's scale
 down to a power of two); block-scaled formats are `ampnb.quantize`'s casts.
 """
@@ -16,7 +16,7 @@ import torch
 from ampnb import formats
 from ampnb.block_formats import BLOCK_FORMATS, quantize_blocks
 from ampnb.formats import FloatFormat
-from ampnb.fp8.scaling import EPS, amax_to_scale, tensor_to_amax
+from ampnb.fp8.scaling import EPS, amax_to_scale, tensor_to_amax, widen
 
 CastFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 DEFAULT_FORMATS = ("fp16", "bf16", "fp8_e4m3_tensorwise", "fp8_e4m3_rowwise", "mxfp8_e4m3",
@@ -33,10 +33,10 @@ class Cast:
 
 
 def _past_max(scaled: torch.Tensor, f: FloatFormat) -> torch.Tensor:
-    """Finite values that round past f's max (to inf, or clamped to max)."""
+    """How many finite values round past f's max (to inf, or clamped to max)."""
     a = scaled.abs()
     over = a >= f.overflow_threshold if f.overflow_inclusive else a > f.overflow_threshold
-    return over & torch.isfinite(scaled)
+    return over.logical_and_(a != torch.inf).sum()
 
 
 def _plain(f: FloatFormat) -> CastFn:
@@ -49,8 +49,8 @@ def _plain(f: FloatFormat) -> CastFn:
 def _scaled(f: FloatFormat, scale: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x * scale, saturated into f, divided back."""
     scaled = x * scale
-    q = scaled.clamp(-f.max, f.max).to(f.torch_dtype).float()
-    return q / scale, _past_max(scaled, f)
+    q = widen(scaled.clamp(-f.max, f.max).to(f.torch_dtype))
+    return q.div_(scale), _past_max(scaled, f)
 
 
 def _tensorwise(f: FloatFormat) -> CastFn:
@@ -64,12 +64,15 @@ def _rowwise(f: FloatFormat) -> CastFn:
         scale = (f.max / amax.clamp(min=EPS)).float()
         scale = torch.exp2(torch.floor(torch.log2(scale)))  # torchao's rowwise recipe
         y, over = _scaled(f, scale, rows)
-        return y.reshape(x.shape), over.reshape(x.shape)
+        return y.reshape(x.shape), over
     return cast
 
 
 def _block(name: str) -> CastFn:
-    return lambda x: quantize_blocks(x, BLOCK_FORMATS[name])
+    def cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, clamped = quantize_blocks(x, BLOCK_FORMATS[name])
+        return y, clamped.sum()
+    return cast
 
 
 def get_cast(name: str) -> Cast:

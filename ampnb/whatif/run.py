@@ -36,32 +36,36 @@ def as_rows(m: nn.Module, x: torch.Tensor, tensor: str) -> torch.Tensor:
 
 
 class Tally:
-    """Running sums per (module, tensor, format): |x|^2, |x - q(x)|^2, flushed, past max, count."""
+    """Running sums per (module, tensor): per format |x - q(x)|^2, flushed, past max; |x|^2, count."""
 
     def __init__(self, casts: tuple[Cast, ...]) -> None:
         self.casts = casts
-        self.sums: dict[tuple[str, str, str], torch.Tensor] = {}
+        self.sums: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
     def add(self, module: str, tensor: str, x: torch.Tensor) -> None:
         """Round x into every format and add its statistics; nothing of x is kept."""
-        signal = torch.linalg.vector_norm(x, dtype=torch.float64).square()
-        nonzero = x != 0
+        zeros = (x == 0).sum()
+        figures = []
         for c in self.casts:
             y, over = c.fn(x)
-            figures = torch.stack([
-                signal, torch.linalg.vector_norm(x - y, dtype=torch.float64).square(),
-                (nonzero & (y == 0)).sum().double(), over.sum().double(),
-                torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
-            key = (module, tensor, c.name)
-            old = self.sums.get(key)
-            self.sums[key] = figures if old is None else old + figures
+            # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
+            flushed = (y == 0).sum() - zeros
+            figures.append(torch.stack([torch.linalg.vector_norm(y.sub_(x)), flushed, over]).double())
+        table = torch.stack(figures)
+        table[:, 0].square_()
+        signal = torch.linalg.vector_norm(x).double().square()
+        old = self.sums.get((module, tensor))
+        if old is not None:
+            table, signal = table + old[0], signal + old[1]
+        self.sums[(module, tensor)] = (table, signal, x.numel() + (old[2] if old else 0))
 
     def rows(self) -> tuple[WhatIfRow, ...]:
         out = []
-        for (module, tensor, fmt), s in self.sums.items():
-            signal, noise, under, over, n = s.tolist()
-            out.append(WhatIfRow(module, tensor, fmt, sqnr_db(signal, noise),
-                                 under / max(n, 1), over / max(n, 1), int(n)))
+        for (module, tensor), (figures, signal, n) in self.sums.items():
+            total = signal.item()
+            for c, (noise, under, over) in zip(self.casts, figures.tolist()):
+                out.append(WhatIfRow(module, tensor, c.name, sqnr_db(total, noise),
+                                     under / max(n, 1), over / max(n, 1), n))
         return tuple(out)
 
 
