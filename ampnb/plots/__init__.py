@@ -20,5 +20,8 @@ _EXPORTS = {
     "plot_optimizer_losses": "ampnb.plots.lowbit",
     "plot_reduction_error": "ampnb.plots.reduction",
     "plot_what_if": "ampnb.plots.what_if",
+    "plot_block_flush": "ampnb.plots.blocks",
+    "plot_block_histogram": "ampnb.plots.blocks",
+    "plot_blocks": "ampnb.plots.blocks",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
