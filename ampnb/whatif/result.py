@@ -79,12 +79,6 @@ class WhatIf(TableView):
                      notes=("SQNR as torchao's compute_error: 20 log10(||x|| / ||x - q(x)||). "
                             "Block-scaled formats along the last dimension (conv: channels).",))
 
-    def plot(self, **kwargs: Any) -> Any:
-        """The heat map, layer x format (`ampnb.plots.plot_what_if`)."""
-        from ampnb.plots.what_if import plot_what_if  # display layer, imported when drawn
-
-        return plot_what_if(self, **kwargs)
-
 
 def _db(v: float) -> str:
     return "inf" if v == math.inf else f"{v:.1f}"
