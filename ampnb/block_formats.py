@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ampnb import formats
+from ampnb.display import Table
 from ampnb.formats import E8M0, FloatFormat
 
 
@@ -38,13 +39,19 @@ class BlockFormat:
         return self.element.max * self.scale.max
 
     @property
+    def smallest_scale(self) -> float:
+        """The smallest block scale: e8m0's 2^-127; an e4m3 scale from its smallest normal (the
+        reference cast clamps it there), at a tensor scale of 1."""
+        return self.scale.smallest_subnormal if self.scale is E8M0 else self.scale.smallest_normal
+
+    @property
     def smallest_subnormal(self) -> float:
         """Smallest nonzero magnitude: the element's smallest subnormal times the smallest scale."""
-        return self.element.smallest_subnormal * self.scale.smallest_subnormal
+        return self.element.smallest_subnormal * self.smallest_scale
 
     @property
     def smallest_normal(self) -> float:
-        return self.element.smallest_normal * self.scale.smallest_subnormal
+        return self.element.smallest_normal * self.smallest_scale
 
     @property
     def eps(self) -> float:
@@ -229,3 +236,16 @@ def nvfp4_tensor_scale(x: torch.Tensor, f: BlockFormat | None = None) -> torch.T
     amax = finite.amax() if finite.numel() else finite.new_zeros(())
     scale = amax / (f.scale.max * f.element.max)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def block_format_table() -> Table:
+    """The block-scaled formats' figures, derived from their element and scale formats."""
+    rows = [(f.name, f.element.name, f.scale.name + (" + fp32 per tensor" if f.tensor_scale else ""),
+             f.block_size, f"{f.bits_per_value:g}", f"{f.element.max:g}",
+             f"2^{math.log2(f.smallest_subnormal):g}", f"2^{math.log2(f.max):.4g}",
+             f"{f.block_binades:g}") for f in BLOCK_FORMATS.values()]
+    return Table(("format", "element", "scale", "block", "bits/value", "element max",
+                  "smallest nonzero", "largest", "binades in one block"), rows,
+                 caption="Block-scaled formats (figures derived from the element and scale bits)",
+                 notes=(f"Sources: {_OCP}; {_NV}. NVFP4's figures at a tensor scale of 1, its "
+                        "e4m3 block scale from its smallest normal 2^-6 (as torchao clamps it).",))

@@ -224,3 +224,22 @@ def test_e2m1_rounding_is_quantize():
     v = torch.linspace(-6, 6, 200001)
     v = torch.cat([v, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 0.0, -0.0])])
     assert same(_elements(v, FORMATS["fp4_e2m1"]), ampnb.quantize(v, "fp4_e2m1"))
+
+
+def test_nvfp4_smallest_nonzero_is_what_the_cast_reaches():
+    """2^-7 = e2m1's 0.5 times e4m3's smallest normal scale 2^-6 (torchao's clamp): kept; half
+    of it is a tie to zero; checked against torchao's cast too."""
+    f = BLOCK_FORMATS["nvfp4"]
+    x = torch.zeros(1, 16)
+    x[0, :2] = torch.tensor([f.smallest_subnormal, f.smallest_subnormal / 2])
+    q = quantize(x, "nvfp4", tensor_scale=1.0)
+    assert q[0, :2].tolist() == [f.smallest_subnormal, 0.0]
+    assert same(q, torchao_cast(x, "nvfp4", None))
+
+
+def test_block_format_table():
+    from ampnb.block_formats import block_format_table
+
+    t = block_format_table()
+    assert [r[0] for r in t.rows] == list(BLOCK_FORMATS) and "OCP" in t.notes[0]
+    assert "2^-136" in repr(t)  # mxfp8_e4m3: e4m3's 2^-9 times e8m0's 2^-127
