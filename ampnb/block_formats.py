@@ -174,12 +174,14 @@ def _elements(scaled: torch.Tensor, element: FloatFormat) -> torch.Tensor:
     dtype = _ELEMENT_DTYPES.get(element.name)
     if dtype is not None:
         return scaled.to(getattr(torch, dtype)).float()
-    # No torch dtype (e2m1): below the normals a fixed step, rounded half to even by
-    # torch.round; above, RNE on fp32's bits (no overflow: the values are clamped to max).
-    step = element.smallest_subnormal
-    sub = torch.round(scaled / step) * step
-    return torch.where(scaled.abs() < element.smallest_normal, sub,
-                       formats.round_fp32_bits(scaled, element))
+    # No torch dtype (e2m1): the values are clamped to max already, so RNE is torch.round (half
+    # to even) on the step of each value's binade, a power of two: exact, one pass per binade.
+    a = scaled.abs()
+    m = element.mantissa_bits
+    step = torch.full_like(a, math.ldexp(1.0, element.min_exponent - m))
+    for k in range(element.min_exponent + 1, element.max_exponent + 1):
+        step = torch.where(a >= math.ldexp(1.0, k), math.ldexp(1.0, k - m), step)
+    return torch.copysign(torch.round(a / step) * step, scaled)
 
 
 def _mx_blocks(blocks: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,11 +200,11 @@ def _mx_blocks(blocks: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torc
     divide_by = biased.bitwise_left_shift(23).view(torch.float32).clamp(min=2.0**-126)
     scaled = blocks / divide_by
     clamped = scaled.abs() > f.element.max
-    scaled = scaled.clamp(-f.element.max, f.element.max)
+    scaled.clamp_(-f.element.max, f.element.max)  # in place: casts stream over big tensors
     scale = biased.bitwise_left_shift(23).view(torch.float32)  # the e8m0 value, exactly
     scale = torch.where(biased == 0, 2.0**-127, scale)  # e8m0's lowest is an fp32 subnormal
     scale = torch.where(torch.isnan(amax), math.nan, scale)
-    return _elements(scaled, f.element) * scale, clamped
+    return _elements(scaled, f.element).mul_(scale), clamped
 
 
 def _nvfp4_blocks(blocks: torch.Tensor, f: BlockFormat, tensor_scale: torch.Tensor
@@ -215,8 +217,8 @@ def _nvfp4_blocks(blocks: torch.Tensor, f: BlockFormat, tensor_scale: torch.Tens
     block_scale = block_scale.to(e4m3.torch_dtype).float()
     scaled = blocks * ((1.0 / tensor_scale) / block_scale)
     clamped = scaled.abs() > f.element.max
-    scaled = scaled.clamp(-f.element.max, f.element.max)
-    return _elements(scaled, f.element) * (tensor_scale * block_scale), clamped
+    scaled.clamp_(-f.element.max, f.element.max)
+    return _elements(scaled, f.element).mul_(tensor_scale * block_scale), clamped
 
 
 def _tensor_scale(x: torch.Tensor, f: BlockFormat, given: float | torch.Tensor | None) -> torch.Tensor:
@@ -232,8 +234,10 @@ def _tensor_scale(x: torch.Tensor, f: BlockFormat, given: float | torch.Tensor |
 def nvfp4_tensor_scale(x: torch.Tensor, f: BlockFormat | None = None) -> torch.Tensor:
     """The per-tensor scale NVFP4 uses by default: amax / (448 * 6) over x's finite values."""
     f = f or BLOCK_FORMATS["nvfp4"]
-    finite = x.detach().float().abs().nan_to_num(0.0, 0.0, 0.0)
-    amax = finite.amax() if finite.numel() else finite.new_zeros(())
+    a = x.detach().abs()
+    amax = a.amax().float() if a.numel() else a.new_zeros((), dtype=torch.float32)
+    if not torch.isfinite(amax):  # inf or NaN somewhere: the amax of the finite values
+        amax = a.float().nan_to_num(0.0, 0.0, 0.0).amax()
     scale = amax / (f.scale.max * f.element.max)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 

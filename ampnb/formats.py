@@ -228,7 +228,7 @@ def quantize(x: torch.Tensor, fmt: str | torch.dtype | FloatFormat,
     if saturate is not None and not isinstance(saturate, bool):
         raise ValueError(f"saturate must be True, False or None (what torch's cast does), got {saturate!r}")
     if _fp32_field(f) and x.dtype == torch.float32 and saturate is not True:
-        return round_fp32_bits(x, f)
+        return _round_fp32_bits(x, f)
     if x.dtype == torch.float64 and f.mantissa_bits < 23:
         work = x.float()
     else:
@@ -256,7 +256,7 @@ def _fp32_field(f: FloatFormat) -> bool:
             and f.mantissa_bits < 23 and f.torch_overflow == "inf")
 
 
-def round_fp32_bits(x: torch.Tensor, f: FloatFormat) -> torch.Tensor:
+def _round_fp32_bits(x: torch.Tensor, f: FloatFormat) -> torch.Tensor:
     """Round-to-nearest-even on fp32's bits: add half an ulp minus one plus the kept lsb, drop
     the low bits. A carry runs into the exponent (to inf past the max), subnormals included;
     four passes where the general path takes a dozen (TF32 emulation runs it on every product)."""

@@ -39,7 +39,7 @@ def block_stats(x: torch.Tensor, fmt: str | BlockFormat = "mxfp8_e4m3") -> Block
         raise ValueError(f"block_stats needs a block-scaled format, got {fmt!r}")
     x2 = x.detach().float().reshape(-1, x.shape[-1] if x.dim() else 1)
     y, _ = quantize_blocks(x2, f)
-    t, _ = get_cast("fp8_e4m3_tensorwise").fn(x2)
+    t, _ = get_cast("fp8_e4m3_tensorwise")(x2)
     nonzero = x2 != 0
     size = f.block_size
     pad = -x2.shape[-1] % size

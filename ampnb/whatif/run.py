@@ -13,6 +13,7 @@ from ampnb._interrupt import Guard
 from ampnb._tree import tensors
 from ampnb.batch import as_batch, model_loss
 from ampnb.fp8.layers import CONVERTIBLE
+from ampnb.fp8.scaling import tensor_to_amax
 from ampnb.modes import get_mode
 from ampnb.putback import untouched
 from ampnb.step import StepSettings, forward_loss, step_context
@@ -44,14 +45,15 @@ class Tally:
 
     def add(self, module: str, tensor: str, x: torch.Tensor) -> None:
         """Round x into every format and add its statistics; nothing of x is kept."""
-        zeros = (x == 0).sum()
+        amax = tensor_to_amax(x)
+        nonzero = torch.count_nonzero(x)
         figures = []
         for c in self.casts:
-            y, over = c.fn(x)
-            # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
-            flushed = (y == 0).sum() - zeros
-            figures.append(torch.stack([torch.linalg.vector_norm(y.sub_(x)), flushed, over]).double())
-        table = torch.stack(figures)
+            y, over = c.fn(x, amax)
+            # Every cast keeps a zero a zero (a NaN block aside): flushed = nonzeros lost.
+            flushed = nonzero - torch.count_nonzero(y)
+            figures += [torch.linalg.vector_norm(y.sub_(x)), flushed, over]
+        table = torch.stack([f.double() for f in figures]).reshape(len(self.casts), 3)
         table[:, 0].square_()
         signal = torch.linalg.vector_norm(x).double().square()
         old = self.sums.get((module, tensor))

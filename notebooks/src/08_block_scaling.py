@@ -67,7 +67,7 @@ print("e8m0 scale: 2^-127 .. 2^127, bits:", mx.scale.bits, "| max", mx.scale.max
 x = ((torch.arange(256) * 37 % 101 - 50) / 17).reshape(4, 64)
 x[1, 40] = 1e7
 for name in ("fp8_e4m3_tensorwise", "mxfp8_e4m3", "mxfp4", "nvfp4"):
-    y, _ = get_cast(name).fn(x)  # the what-if's casts: FP8 scaled to amax, or block-scaled
+    y, _ = get_cast(name)(x)  # the what-if's casts: FP8 scaled to amax, or block-scaled
     flushed = int(((x != 0) & (y == 0)).sum())
     print(f"{name:20s} values flushed to zero: {flushed:3d} of {int((x != 0).sum())}")
 
