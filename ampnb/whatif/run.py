@@ -20,16 +20,18 @@ from ampnb.step import StepSettings, forward_loss, step_context
 from ampnb.whatif.casts import DEFAULT_FORMATS, Cast, get_cast
 from ampnb.whatif.result import WhatIf, WhatIfRow, sqnr_db
 
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
 
 def is_layer(m: nn.Module) -> bool:
     """A Linear, a convolution or transformers' Conv1D: a layer whose GEMM a format would feed."""
-    return isinstance(m, (nn.Linear, nn.modules.conv._ConvNd)) or CONVERTIBLE["Conv1D"].base(m) is not None
+    return isinstance(m, (nn.Linear, *_CONVS)) or CONVERTIBLE["Conv1D"].base(m) is not None
 
 
 def as_rows(m: nn.Module, x: torch.Tensor, tensor: str) -> torch.Tensor:
     """x in fp32 with the GEMM's reduction axis last: the axis block-scaled formats block along."""
     x = x.detach().float()
-    if isinstance(m, nn.modules.conv._ConvNd):
+    if isinstance(m, _CONVS):
         return x.flatten(1) if tensor == "weight" else x.movedim(1, -1)  # (out, in*k) / channels
     if tensor == "weight" and not isinstance(m, nn.Linear):
         return x.t()  # Conv1D stores (in, out)
@@ -103,8 +105,9 @@ def _own_loss(output: Any, _targets: Any) -> torch.Tensor | None:
 
 def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = None, *,
             formats: Iterable[str] = DEFAULT_FORMATS) -> WhatIf:
-    """One fp32 training step (forward + backward, no update) of `model` on `batch`: for every
-    Linear/Conv layer's weight, input and output gradient, what each format would lose.
+    """One training step under 32-true (forward + backward, no update, no autocast: an fp32
+    model's fp32 step) of `model` on `batch`: for every Linear/Conv layer's weight, input and
+    output gradient, what each format would lose (the reference is the tensor as it ran).
 
     Without a loss_fn the model's own loss is used; a model without one gives weights and
     inputs only. The model, its gradients, buffers and every RNG are put back; statistics are
