@@ -87,6 +87,14 @@ plot_blocks(x, "mxfp8_e4m3")[0].figure
 # end below e2m1's smallest. `ampnb.quantize(x, "nvfp4", tensor_scale=1.0)` (one level only)
 # keeps them: try it.
 #
+# The same views for any tensor of a real model's step: the RangeExplorer with `blocks=` gets a
+# "block view" picker. Pick a layer, then a block-scaled format.
+
+# %%
+ampnb.panels.RangeExplorer(ampnb.models.demo("gpt", seed=0),
+                           blocks=("mxfp8_e4m3", "mxfp4", "nvfp4"))
+
+# %% [markdown]
 # ## 3. The what-if on a real model
 #
 # `ampnb.what_if(model, batch, loss_fn)` runs one fp32 training step (forward and backward, no
