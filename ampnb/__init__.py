@@ -13,8 +13,10 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "FloatFormat": "ampnb.formats",
     "FORMATS": "ampnb.formats",
-    "get_format": "ampnb.formats",
-    "quantize": "ampnb.formats",
+    "get_format": "ampnb.block_formats",
+    "quantize": "ampnb.block_formats",
+    "BlockFormat": "ampnb.block_formats",
+    "BLOCK_FORMATS": "ampnb.block_formats",
     "PrecisionMode": "ampnb.modes",
     "MODES": "ampnb.modes",
     "get_mode": "ampnb.modes",
@@ -39,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     "set_fp16_kernels": "ampnb.fp16_kernels",
     "emulated_fp16_kernels": "ampnb.fp16_kernels",
     "run_distributed": "ampnb.distributed",
+    "what_if": "ampnb.whatif",
+    "WhatIf": "ampnb.whatif",
 }
 _SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
                "lowbit", "distributed", "watch", "integrations"}

@@ -18,6 +18,7 @@ class Encoding(str, Enum):
     FN = "fn"          # finite only; the all-ones pattern is the single NaN per sign (e4m3fn)
     FNUZ = "fnuz"      # finite only, unsigned zero; the "-0" pattern is the single NaN
     FINITE = "finite"  # no inf and no NaN at all (fp4 e2m1)
+    EXPONENT = "exponent"  # unsigned powers of two, no zero, all-ones is NaN (the MX scale e8m0)
 
 
 # What torch's own cast does with a finite value beyond the largest finite, per encoding
@@ -28,6 +29,7 @@ _TORCH_OVERFLOW = {
     Encoding.FN: "saturate",
     Encoding.FNUZ: "nan",
     Encoding.FINITE: "saturate",
+    Encoding.EXPONENT: "nan",
 }
 
 
@@ -46,18 +48,21 @@ class FloatFormat:
 
     @property
     def bits(self) -> int:
-        return 1 + self.exponent_bits + self.mantissa_bits
+        sign = 0 if self.encoding is Encoding.EXPONENT else 1
+        return sign + self.exponent_bits + self.mantissa_bits
 
     @property
     def max_exponent(self) -> int:
         """Unbiased exponent of the largest finite value."""
         top = 2**self.exponent_bits - 1
-        return (top - 1 if self.encoding is Encoding.IEEE else top) - self.bias
+        reserved = self.encoding in (Encoding.IEEE, Encoding.EXPONENT)  # all-ones: inf/NaN
+        return (top - 1 if reserved else top) - self.bias
 
     @property
     def min_exponent(self) -> int:
         """Unbiased exponent of the smallest normal value."""
-        return 1 - self.bias
+        # e8m0 has no zero or subnormals: the all-zeros pattern is 2**-bias itself.
+        return (0 if self.encoding is Encoding.EXPONENT else 1) - self.bias
 
     @property
     def max(self) -> float:
@@ -98,7 +103,7 @@ class FloatFormat:
 
     @property
     def has_negative_zero(self) -> bool:
-        return self.encoding is not Encoding.FNUZ
+        return self.encoding not in (Encoding.FNUZ, Encoding.EXPONENT)
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -155,6 +160,11 @@ FORMATS: dict[str, FloatFormat] = {
         _fmt("fp4_e2m1", 2, 1, enc=Encoding.FINITE, desc="OCP MX FP4 E2M1: weight-only formats"),
     )
 }
+
+# The scale of the OCP MX formats (not in FORMATS: nothing is stored in it but scales, and
+# `quantize` has no meaning for it); its figures are checked against torch.finfo(float8_e8m0fnu).
+E8M0 = _fmt("e8m0", 8, 0, enc=Encoding.EXPONENT, dtype="float8_e8m0fnu",
+            desc="OCP MX E8M0 scale: a power of two 2^-127..2^127, no sign, no zero")
 
 _ALIASES: dict[str, str] = {
     "float64": "fp64", "double": "fp64", "f64": "fp64",

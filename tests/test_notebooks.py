@@ -33,9 +33,9 @@ def _source(cell: dict) -> str:
     return "".join(cell["source"])
 
 
-def test_the_eight_tutorials_are_there():
+def test_the_nine_tutorials_are_there():
     numbers = [p.name[:2] for p in NOTEBOOKS]
-    assert numbers == ["00", "01", "02", "03", "04", "05", "06", "07"], numbers
+    assert numbers == ["00", "01", "02", "03", "04", "05", "06", "07", "08"], numbers
 
 
 def test_each_notebook_has_its_script_and_each_script_its_notebook():

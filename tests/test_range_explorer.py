@@ -240,3 +240,20 @@ def test_each_view_is_drawn_once_and_its_labels_fit_the_figure(panel, monkeypatc
         assert labels and all(b.x0 >= box.x0 for b in labels)  # the left margin holds them
         if panel.ax.get_legend():
             assert panel.ax.get_legend().get_window_extent(r).y1 <= box.y1
+
+
+def test_block_view_draws_the_blocks_of_the_chosen_tensor():
+    """blocks=: the histogram against each block scale's element range, and per-block flushed
+    shares beside tensorwise FP8's; off again gives the plain histogram back."""
+    p = RangeExplorer(_demo(), blocks=("mxfp8_e4m3", "nvfp4"))
+    assert [v for _, v in p.block.options] == [None, "mxfp8_e4m3", "nvfp4"]
+    p.kind.value = "activation"
+    p.layer.value = p.layer.options[1]
+    p.block.value = "mxfp8_e4m3"
+    axes = p.figure.axes
+    assert len(axes) == 2 and "blocks of 32" in axes[0].get_title()
+    assert axes[1].get_ylabel() == "flushed to zero (%)"
+    p.block.value = None
+    assert len(p.figure.axes) == 1 and p.message.value == ""
+    with pytest.raises(ValueError, match="allowed: mxfp8_e4m3"):
+        RangeExplorer(_demo(), blocks=("fp16",))

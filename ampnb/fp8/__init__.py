@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "scaled_quantize": "ampnb.fp8.scaling",
     "sqnr": "ampnb.fp8.scaling",
     "Fp8Linear": "ampnb.fp8.linear",
+    "MxLinear": "ampnb.fp8.mx",
     "CONVERTIBLE": "ampnb.fp8.layers",
     "Role": "ampnb.fp8.linear",
     "convert_to_fp8": "ampnb.fp8.convert",

@@ -37,6 +37,7 @@ from ampnb.fp8.layers import (  # noqa: F401 - ALIGN_IN/OUT: read from here too
     unsupported_reason,
 )
 from ampnb.fp8.linear import MATMULS, Fp8Linear
+from ampnb.fp8.mx import MX_RECIPES, MxLinear, convert_to_mx
 from ampnb.fp8.recipe import RECIPES, Fp8Recipe, from_recipe_name
 
 
@@ -174,6 +175,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
     both on a CUDA GPU of compute capability >= 8.9 where the package is installed; "ampnb"
     (an emulated Fp8Linear sharing each layer's parameters, any device); "auto" takes the first
     of te, torchao, ampnb that runs here, and the report's first line says which and why.
+    `recipe="mxfp8"`: MXFP8 layers (`ampnb.fp8.mx`; backend "auto", "torchao" or "ampnb").
     `recipe=None` is the backend's default (torchao: tensorwise; otherwise TE's DelayedScaling).
     `emulate=True` runs torchao's own emulation (`Float8LinearConfig(emulate=True)`), on a CPU
     too. `compile` wraps the result in `torch.compile`, as torchao's README does; None: on for
@@ -185,6 +187,11 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"convert_to_fp8 needs an nn.Module, got {type(model).__name__}")
+    if isinstance(recipe, str) and recipe.strip().lower() in MX_RECIPES:  # block-scaled: fp8/mx.py
+        if (matmul, enabled, emulate, compile) != ("auto", True, False, None):
+            raise ValueError("matmul=, enabled=, emulate=, compile= are not allowed with recipe="
+                             f"{recipe!r}; allowed: backend= and inplace=")
+        return convert_to_mx(model, backend, inplace)
     before = plan(model)
     if not before.converted:
         why = before.message() or f"it has no {' or '.join(CONVERTIBLE)} layers"
@@ -233,12 +240,12 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
 
 def revert_fp8(model: nn.Module) -> nn.Module:
     """Put back the layer each Fp8Linear (or emulated TE LayerNorm) replaced, in place."""
-    if isinstance(model, (Fp8Linear, TeLayerNorm)):
+    if isinstance(model, (Fp8Linear, TeLayerNorm, MxLinear)):
         return model.revert()
     back: dict[int, nn.Module] = {}  # a layer used twice comes back as one layer
     swaps = [(parent, name, back.setdefault(id(child), child.revert()))
              for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, (Fp8Linear, TeLayerNorm))]
+             if isinstance(child, (Fp8Linear, TeLayerNorm, MxLinear))]
     swap_children(swaps)
     return model
 

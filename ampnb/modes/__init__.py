@@ -24,6 +24,7 @@ from ampnb.modes.base import (
     default_dtype,
     guarded,
 )
+from ampnb.modes.block_scaled import EXTRA_MODES, TransformerEngineMxfp8
 from ampnb.modes.mixed import Bf16Mixed, Fp16Mixed, MixedMode
 from ampnb.modes.transformer_engine import (
     TransformerEngine,
@@ -36,7 +37,7 @@ from ampnb.modes.view import ModeView
 __all__ = ["ALIASES", "MODES", "ApexO0", "ApexO1", "ApexO2", "ApexO3", "Availability", "Bf16Mixed",
            "Bf16True", "Fp16Mixed", "Fp16True", "Fp32True", "Fp64True", "MixedMode", "ModeView",
            "PrecisionMode", "TransformerEngine", "TransformerEngineFloat16",
-           "TransformerEnginePrecision", "TrueMode", "cast_floats", "default_dtype", "get_mode",
+           "TransformerEngineMxfp8", "TransformerEnginePrecision", "TrueMode", "cast_floats", "default_dtype", "get_mode",
            "guarded"]
 
 MODES: dict[str, PrecisionMode] = {
@@ -70,10 +71,14 @@ def get_mode(mode: str | int | PrecisionMode) -> PrecisionMode:
             return MODES[key]
         if key in ALIASES:
             return MODES[ALIASES[key]]
+        extra = next((m for m in EXTRA_MODES.values() if key == m.name or key in m.aliases), None)
+        if extra is not None:  # block-scaled: by name only, not in the sweeps over MODES
+            return extra
         if isinstance(key, str) and "=" in key:  # a Lightning 1.x call: "Trainer(precision=16)"
             return get_mode(legacy.resolve(mode))
     aliases = ", ".join(f"{a!r}->{n}" for a, n in ALIASES.items())
     raise ValueError(
-        f"unknown precision mode {mode!r}; choose one of {', '.join(MODES)} (aliases: {aliases}; "
+        f"unknown precision mode {mode!r}; choose one of {', '.join([*MODES, *EXTRA_MODES])} "
+        f"(aliases: {aliases}; "
         "or Lightning 1.x arguments such as \"Trainer(precision=16, amp_backend='apex')\")"
     )

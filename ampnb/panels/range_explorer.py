@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ampnb.batch import as_batch, model_loss
+from ampnb.block_formats import BLOCK_FORMATS
 from ampnb.formats import get_format
 from ampnb.instruments.coverage_stats import coverage_table
 from ampnb.instruments.summaries import DEFAULT_FORMATS
@@ -19,12 +20,13 @@ from ampnb.models import Demo
 from ampnb.modes import get_mode
 from ampnb.panels.base import Panel
 from ampnb.plots._axes import new_axes
+from ampnb.plots.blocks import plot_blocks
 from ampnb.plots.ranges import RANGE_FORMATS, plot_layer_summary, plot_tensor_histogram
 from ampnb.putback import untouched
 from ampnb.step import StepSettings, forward_loss, step_context
 
 ALL = "(all layers)"
-_SIZES = {"histogram": (8.0, 3.4), "summary_row": 0.28}
+_SIZES = {"histogram": (8.0, 3.4), "summary_row": 0.28, "blocks": (8.0, 6.0)}
 # Fixed margins instead of constrained layout: that lays out by drawing every label once more,
 # which doubled the cost of the first view on models with a hundred tensors (inches).
 _MARGIN_IN = {"left": 0.7, "right": 0.2, "bottom": 0.75, "top": 0.45, "legend": 0.3}
@@ -41,13 +43,16 @@ class RangeExplorer(Panel):
 
     batch is any form ampnb.batch takes (positional, a keyword dict, or (inputs, targets) with
     a loss_fn); gradients are shown when there is a loss: loss_fn's or the model's own.
+    `blocks` (block-scaled format names) adds a "block view" picker: one tensor's histogram
+    against the element range at each block scale, and each block's flushed share beside
+    tensorwise FP8's; the capture then keeps an exact copy of every tensor (memory).
     """
 
     css = "range"
 
     def __init__(self, model: nn.Module | Demo, batch: Any = None, loss_fn: Any = None,
                  formats: Iterable[str] = DEFAULT_FORMATS, shown: Iterable[str] | None = None,
-                 modules: str | Iterable[str] = "*") -> None:
+                 modules: str | Iterable[str] = "*", blocks: Iterable[str] = ()) -> None:
         if isinstance(model, Demo):
             batch = model.batches[0] if batch is None else batch
             loss_fn = model.loss_fn if loss_fn is None else loss_fn
@@ -66,6 +71,11 @@ class RangeExplorer(Panel):
         if missing:
             raise ValueError(f"shown format {missing[0]!r} is not among formats; allowed: "
                              f"{', '.join(self.formats)}")
+        self.blocks = (blocks,) if isinstance(blocks, str) else tuple(blocks)
+        bad = [b for b in self.blocks if b not in BLOCK_FORMATS]
+        if bad:
+            raise ValueError(f"blocks={bad[0]!r} is not a block-scaled format; allowed: "
+                             f"{', '.join(BLOCK_FORMATS)}")
         self.kinds = ("weight",) + (() if batch is None else ("activation", "gradient"))
         self.capture, had_loss = self._capture()
         if not had_loss:  # no loss_fn and the model gave no loss of its own
@@ -78,6 +88,8 @@ class RangeExplorer(Panel):
         self.format_picker = widgets.SelectMultiple(options=self.formats, value=shown,
                                                     description="formats", rows=len(self.formats),
                                                     style=style)
+        self.block = widgets.Dropdown(options=[("off", None), *((b, b) for b in self.blocks)],
+                                      value=None, description="block view", style=style)
         self.recapture = widgets.Button(description="Capture again", icon="refresh",
                                         tooltip="run the batch through the model again")
         self.table = widgets.HTML()
@@ -90,9 +102,11 @@ class RangeExplorer(Panel):
         self.kind.observe(lambda _c: self._safely(self._on_kind), names="value")
         self.layer.observe(lambda _c: self._on_pick(), names="value")
         self.format_picker.observe(lambda _c: self._on_pick(), names="value")
+        self.block.observe(lambda _c: self._on_pick(), names="value")
         self.recapture.on_click(lambda _b: self._safely(self._recapture))
         self.widget = widgets.VBox([
-            widgets.HBox([widgets.VBox([self.kind, self.layer, self.recapture]),
+            widgets.HBox([widgets.VBox([self.kind, self.layer, *([self.block] if self.blocks
+                                                                   else []), self.recapture]),
                           self.format_picker]),
             self.message, self.out, self.table])
         self._classes({"panel": self.widget, "layer": self.layer, "kind": self.kind,
@@ -105,7 +119,7 @@ class RangeExplorer(Panel):
     def _capture(self) -> tuple[Capture, bool]:
         """Run the batch once with hooks attached, as a step's forward and backward (no update,
         no trace: the Workbench's probe); also whether there was a loss to take gradients of."""
-        cap = capture(self.model, self.kinds, self.modules, self.formats)
+        cap = capture(self.model, self.kinds, self.modules, self.formats, keep=bool(self.blocks))
         loss = None
         with untouched(self.model), cap:  # grads, buffers (BatchNorm stats) and RNG put back
             if self.batch is not None:
@@ -195,8 +209,16 @@ class RangeExplorer(Panel):
             covs, caption = [], ""
         else:
             rec = self.capture.get(layer, kind)
-            self.figure.set_size_inches(*_SIZES["histogram"])
-            plot_tensor_histogram(rec, fmts, ax=self.ax)
+            if self.block.value and rec.tensor is not None:  # two views, one above the other
+                self.figure.clear()
+                self.figure.set_size_inches(*_SIZES["blocks"])
+                grid = self.figure.add_gridspec(2, 1, hspace=0.6)
+                self.ax = self.figure.add_subplot(grid[0])
+                plot_blocks(rec.tensor, self.block.value,
+                            axes=(self.ax, self.figure.add_subplot(grid[1])))
+            else:
+                self.figure.set_size_inches(*_SIZES["histogram"])
+                plot_tensor_histogram(rec, fmts, ax=self.ax)
             self._margins()
             covs = [(None, rec.coverage(f)) for f in fmts] if rec.coverages else []
             caption = f"{layer} ({kind}, {rec.dtype}, shape {tuple(rec.shape)})"

@@ -19,5 +19,9 @@ _EXPORTS = {
     "plot_side_by_side": "ampnb.plots.fp8",
     "plot_optimizer_losses": "ampnb.plots.lowbit",
     "plot_reduction_error": "ampnb.plots.reduction",
+    "plot_what_if": "ampnb.plots.what_if",
+    "plot_block_flush": "ampnb.plots.blocks",
+    "plot_block_histogram": "ampnb.plots.blocks",
+    "plot_blocks": "ampnb.plots.blocks",
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
