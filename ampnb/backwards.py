@@ -23,6 +23,7 @@ use; only this module touches them.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from torch.overrides import (
     _push_mode,
 )
 
+from ampnb import _interrupt
 from ampnb._interrupt import Guard, critical
 
 GRAD = torch.autograd.grad
@@ -85,20 +87,49 @@ def _contexts(stack: contextlib.ExitStack, func: Callable[..., Any],
 
 
 class _Mode(TorchFunctionMode):
-    """Runs each backward call inside its thread's listeners' contexts; every other call as it is."""
+    """Runs each backward call inside its thread's listeners' contexts; every other call as it is.
 
+    Critical: torch calls it from its own restore code too (`no_grad.__exit__` setting grad mode
+    back goes through the modes), where an interrupt in this frame would cut that restore; one
+    that arrives while it runs (a backward included) is raised as it returns."""
+
+    @critical
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         __tracebackhide__ = True  # noqa: F841 - IPython shows the user's frames, not this one
-        kwargs = kwargs or {}
-        if func not in CALLS or not _here.armed or _here.inside:
-            return func(*args, **kwargs)
-        with contextlib.ExitStack() as stack:
-            _contexts(stack, func, roots(func, args, kwargs))
-            # a Guard: an interrupt landing as the flag is set or cleared cannot leave it set
-            # (the stack would then never be put right again in this thread)
-            with Guard(_inside, _outside):
+        try:
+            kwargs = kwargs or {}
+            if func not in CALLS or not _here.armed or _here.inside:
                 return func(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                _contexts(stack, func, roots(func, args, kwargs))
+                # a Guard: an interrupt landing as the flag is set or cleared cannot leave it
+                # set (the stack would then never be put right again in this thread)
+                with Guard(_inside, _outside):
+                    return func(*args, **kwargs)
+        finally:
+            if _interrupt._pending:
+                _interrupt.raise_held(sys._getframe(1))
+
+
+_POP_CODE = torch.overrides._pop_mode_temporarily.__wrapped__.__code__
+
+
+def _putting_back(frame: Any) -> bool:
+    """torch puts a mode back after its __torch_function__ in `_pop_mode_temporarily`'s finally,
+    run by contextlib's __exit__: an interrupt there would leave the generator to put ampnb's
+    mode back whenever it is collected, on whatever stack is there then."""
+    gen = frame.f_locals.get("self") if frame.f_code is _EXIT_CODE else None
+    if gen is not None:
+        gen = getattr(gen, "gen", None)
+        frame = getattr(gen, "gi_frame", None) if getattr(gen, "gi_code", None) is _POP_CODE \
+            else None
+    return frame is not None and frame.f_code is _POP_CODE \
+        and isinstance(frame.f_locals.get("old"), _Mode)
+
+
+_EXIT_CODE = contextlib._GeneratorContextManager.__exit__.__code__
+_interrupt._HOLD_IN.append(_putting_back)
 
 
 def _inside() -> None:

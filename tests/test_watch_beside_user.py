@@ -246,8 +246,8 @@ def test_a_caught_step_error_and_a_failed_backward_are_not_counted():
     xs = _xs(3)
     with ampnb.watch(m, opt) as w:
         opt.zero_grad()
-        with pytest.raises(RuntimeError, match="backward failed"):
-            Fails.apply(m(xs[0])).sum().backward()
+        with pytest.raises(RuntimeError, match="backward failed"):  # after reaching m's output
+            m(Fails.apply(xs[0].requires_grad_())).sum().backward()
         fail = opt.register_step_pre_hook(lambda *_: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             opt.step()
