@@ -184,9 +184,10 @@ def test_interrupt_at_any_function_entry_in_a_cell_leaks_nothing(ip, line, cell)
 
 def test_interrupt_at_any_function_entry_in_a_watched_loop_leaks_nothing():
     """A watch around a loop, inside a mode of the user's."""
-    import ampnb
     from _sweep import changed, process_state
     from torch.overrides import TorchFunctionMode
+
+    import ampnb
 
     class Mine(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -34,9 +33,11 @@ from ampnb._tree import map_tensors
 from ampnb.putback import Rng
 from ampnb.start import param_dtype
 from ampnb.step import _AUTOCAST_DEVICES
-from ampnb.watch import inputs, overflow, summary
+from ampnb.watch import inputs
+from ampnb.watch.backward import Backwards, in_backward
+from ampnb.watch.ending import Ending
 from ampnb.watch.hooks import Hook, StepState, fast_probe, float_outputs, module_names
-from ampnb.watch.records import StepRecord, log_path, write
+from ampnb.watch.records import StepRecord, log_path
 
 _NARROW = (torch.float16, torch.bfloat16)
 
@@ -56,7 +57,7 @@ def _tensorboard(log_dir: Any, rank: int | None) -> Any:
         return None
 
 
-class Watch:
+class Watch(Backwards, Ending):
     """Records the user's own training loop per optimizer step (see `ampnb.watch`)."""
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any = None, *, every: int = 1,
@@ -248,7 +249,7 @@ class Watch:
         # inference. The same entry again is a new call: its end hook, which torch runs on
         # exceptions but not on a KeyboardInterrupt, may not have run
         if (self._entered is not None and self._entered is not module
-                or not torch.is_grad_enabled() or _in_backward()):
+                or not torch.is_grad_enabled() or in_backward()):
             return
         backwards.disarm(self)  # the losses from here on are this forward's
         if self._stepping == "plain":  # a forward after a step whose post hooks never ran:
@@ -294,51 +295,6 @@ class Watch:
         s = self._state or self._current()
         s.on_output(i, s.stats and i in self._stat_set, args, out)
 
-    def _reached(self, grad: torch.Tensor) -> None:
-        """A backward reached the model's outputs (any thread): a micro-batch once it ends
-        (a backward that fails is none), unless an autograd.grad (no step's gradients)."""
-        if not self._grad_call:
-            torch.autograd.Variable._execution_engine.queue_callback(Hook(self._backward_done))
-
-    def _backward_done(self) -> None:
-        s = self._current()
-        s.micro_batches += 1
-        self._done += 1
-        if math.isnan(s.t0):
-            s.t0 = time.perf_counter()
-        self._token = self._grads()
-        if s.stats and s.first is None and s.grads_first is None:
-            s.grads_first = summary.grads_module(self._modules, self._stats)
-        if s.stats and self._scaler is not None:  # still scaled (unscaled here); a
-            # skipped step's are gone by the time its end is seen (zero_grad)
-            s.read_grads(self._modules, self._stats, s.scale or 1.0)
-
-    def _on_backward(self, call: Any, roots: list[torch.Tensor]) -> _After:
-        """A backward call starts from `roots` in the loop's thread: its losses, if it turns
-        out to have reached this model's outputs."""
-        return _After(self, call is backwards.GRAD, roots)
-
-    def _rooted(self, roots: list[torch.Tensor]) -> None:
-        """The losses of a backward that fed this step (a closure step keeps its first: the
-        loss `step()` returns)."""
-        s = self._state
-        if s is None:
-            return
-        if self._stepping == "closure":
-            roots = [] if self._rooted_in_step else roots
-            self._rooted_in_step = True
-        s.after_backward(roots)
-
-    def failed(self, e: Exception) -> None:
-        """A hook of the watch failed: one warning per watch, the step's record incomplete."""
-        if self._state is not None:
-            self._state.incomplete = True
-        if not self._warned:
-            self._warned = True
-            warnings.warn(f"ampnb.watch: one of its hooks failed ({type(e).__name__}: {e}); "
-                          "the step's record is marked incomplete, and training goes on",
-                          RuntimeWarning, stacklevel=3)
-
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         closure = backwards.runs_inside(args, kwargs)
         self._stepping, self._rooted_in_step = ("closure" if closure else "plain"), False
@@ -372,100 +328,6 @@ class Watch:
         backwards.resume(optimizer)
         self._stepping = None
         self._finish(skipped=False)
-
-    @staticmethod
-    def _probe(s: StepState) -> float:
-        """The step's loss plus its gradient probe: finite when both are (a read)."""
-        probe = float(s.grads_probe) if s.grads_probe is not None else 0.0
-        return s.loss() + probe
-
-    # ----- the step's end --------------------------------------------------------------------
-
-    def _keep(self, s: StepState) -> None:
-        """Save the step (keep_overflow); a failure is a warning, never an error in the loop."""
-        self._keeping = False  # once: kept, or failed
-        self.overflow_file = overflow.keep(self.keep_overflow, s, self._model, self._optimizer,
-                                           len(self._records) + len(self._ended))
-
-    def _finish(self, skipped: bool) -> None:
-        s, self._state, self._token = self._current(), None, None
-        s.skipped = skipped
-        s.seconds, s.time = time.perf_counter() - s.t0, time.time()
-        try:
-            self._summarize(s)
-        except Exception as e:  # the step is recorded, incomplete; training goes on
-            s.failed(e)
-        s.inputs, s.out_grads, s.rng = [], [], None
-        self._ended.append(s)
-        if s.stats:
-            self._make_records()
-        self._arm(self._next_is_stats())  # ready for the next step's forward
-
-    def _summarize(self, s: StepState) -> None:
-        if self._keeping and (s.skipped or s.found_inf is not None and bool(s.found_inf)):
-            self._keep(s)  # a skipped step left model and optimizer as they were
-        if s.stats:
-            if not s.grads_read:  # no backward seen (log_loss only)
-                s.read_grads(self._modules, self._stats, 1.0)
-            if s.before is not None:
-                s.lost = summary.lost_updates(s.before)
-            s.before = None
-            s.layers = summary.layers(s, self.names, self._stats, s.scale)
-
-    def _make_records(self) -> None:
-        """The ended steps' records (their reads happen here), logged and given to callbacks."""
-        ended, self._ended = self._ended, []
-        for s in ended:
-            try:
-                record = summary.step_record(s, len(self._records), self.rank or 0, self.names,
-                                             self._modules, self._stats)
-            except Exception as e:  # what could be read, marked incomplete
-                s.failed(e)
-                record = summary.bare_record(s, len(self._records), self.rank or 0)
-            self._records.append(record)
-            if self._log is not None:
-                self._write(record)
-            for callback in self._callbacks:
-                try:
-                    callback(record)
-                except Exception as e:  # a callback's failure ends no training either
-                    self.failed(e)
-
-    def _write(self, record: StepRecord) -> None:
-        try:
-            write(self._log, [record])
-            if self._tb is not None:
-                self._tb.write(record)
-        except OSError as e:  # a full disk must not end the training
-            warnings.warn(f"ampnb.watch could not write to {self.log_dir}: {e}", stacklevel=3)
-
-
-def _in_backward() -> bool:
-    """A backward runs in this thread now: a forward here is a reentrant checkpoint's
-    recomputation, not a micro-batch's (the graph task id register_multi_grad_hook keys on)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class _After:
-    """The context a backward call runs in for a watch: its roots go to the watch if the
-    backward reached the watch's model and ended without an error."""
-
-    def __init__(self, watch: Watch, grad: bool, roots: list[torch.Tensor]) -> None:
-        self.watch, self.grad, self.roots, self.before = watch, grad, roots, 0
-
-    def __enter__(self) -> None:
-        self.before, self.watch._grad_call = self.watch._done, self.grad
-
-    @critical
-    def __exit__(self, kind: Any, *_: Any) -> None:
-        w = self.watch
-        w._grad_call = False
-        if kind is None and w._done != self.before:
-            try:
-                w._rooted(self.roots)
-            except Exception as e:  # never an error in the user's backward
-                w.failed(e)
-
 
 def _keep_grad(grads: list, k: int, g: torch.Tensor) -> None:
     grads[k] = g.detach()
