@@ -39,11 +39,12 @@ from torch.overrides import (
 
 from ampnb import _interrupt
 from ampnb._interrupt import Guard, critical
+from ampnb._interrupt import _pending as _held
 
 GRAD = torch.autograd.grad
-CALLS = frozenset({torch.Tensor.backward, torch.autograd.backward, GRAD})
+_TENSOR_BACKWARD, _BACKWARD = torch.Tensor.backward, torch.autograd.backward
 
-# (the call: one of CALLS, its roots) -> a context the backward runs in (None: nothing)
+# (the call: Tensor.backward, autograd.backward or GRAD; its roots) -> a context the backward runs in (None: nothing)
 Listener = Callable[[Callable[..., Any], list[torch.Tensor]], contextlib.AbstractContextManager
                     | None]
 
@@ -98,18 +99,27 @@ class _Mode(TorchFunctionMode):
                            kwargs: dict | None = None) -> Any:
         __tracebackhide__ = True  # noqa: F841 - IPython shows the user's frames, not this one
         try:
-            kwargs = kwargs or {}
-            if func not in CALLS or not _here.armed or _here.inside:
-                return func(*args, **kwargs)
-            with contextlib.ExitStack() as stack:
-                _contexts(stack, func, roots(func, args, kwargs))
-                # a Guard: an interrupt landing as the flag is set or cleared cannot leave it
-                # set (the stack would then never be put right again in this thread)
-                with Guard(_inside, _outside):
-                    return func(*args, **kwargs)
+            # nearly every call passes as cheaply as can be (identity: hashing a bound method
+            # of a tensor would call Tensor.__hash__)
+            if func is not _TENSOR_BACKWARD and func is not _BACKWARD and func is not GRAD:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return _seen(func, args, kwargs or {})
         finally:
-            if _interrupt._pending:
+            if _held:
                 _interrupt.raise_held(sys._getframe(1))
+
+
+def _seen(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A backward call: run inside this thread's listeners' contexts."""
+    __tracebackhide__ = True  # noqa: F841
+    if not _here.armed or _here.inside:
+        return func(*args, **kwargs)
+    with contextlib.ExitStack() as stack:
+        _contexts(stack, func, roots(func, args, kwargs))
+        # a Guard: an interrupt landing as the flag is set or cleared cannot leave it set (the
+        # stack would then never be put right again in this thread)
+        with Guard(_inside, _outside):
+            return func(*args, **kwargs)
 
 
 _POP_CODE = torch.overrides._pop_mode_temporarily.__wrapped__.__code__
