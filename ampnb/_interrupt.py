@@ -33,6 +33,9 @@ from typing import Any
 _PACKAGE = str(Path(__file__).resolve().parent)
 _CRITICAL: set[CodeType] = set()  # code that must run to its end once started
 _pending: list[int] = []          # SIGINTs held back, raised when the critical code is done
+# frame -> whether an interrupt there must be held: torch's own frames that put an ampnb object
+# back (registered by its owner, `ampnb.backwards`), where ampnb's code cannot be marked critical
+_HOLD_IN: list[Callable[[FrameType], bool]] = []
 
 
 class _Sections:
@@ -85,7 +88,7 @@ def _must_hold(frame: FrameType | None) -> bool:
             and frame.f_lasti in _unsafe_offsets(frame.f_code):
         return True
     while frame is not None:
-        if frame.f_code in _CRITICAL:
+        if frame.f_code in _CRITICAL or any(hold(frame) for hold in _HOLD_IN):
             return True
         frame = frame.f_back
     return False
@@ -130,6 +133,15 @@ def _uninstall() -> None:
     _sections.installed -= 1
     if _sections.installed == 0:
         _signal.signal(signal.SIGINT, _previous.pop() if _previous else signal.default_int_handler)
+
+
+def raise_held(frame: FrameType | None) -> None:
+    """At the end of a critical function that is not a Guard's (a mode's __torch_function__),
+    called from `frame`: raise a held interrupt, unless that frame must hold it too (the code
+    that called is critical itself: its Guard raises it)."""
+    if _pending and not _must_hold(frame):
+        _pending.clear()
+        _raise(frame)
 
 
 def _release() -> None:

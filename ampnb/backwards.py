@@ -2,9 +2,12 @@
 `torch.autograd.grad`), seen through a `TorchFunctionMode`: torch's public way to see calls
 to its functions. Nothing in torch or in the user's objects is replaced.
 
-One mode per thread serves every listener (a `%%amp` cell turning autocast off for its
-backward, each open `ampnb.watch` reading its roots), added and removed in any order; the
-mode leaves the stack with the last listener.
+Where it sits: at the *bottom* of the mode stack of the thread that runs the user's code, and
+only while a listener of that thread wants it (`arm`): a `%%amp` cell for its body (the
+backward runs with autocast off), a watch from its model's forward's end to the next forward or
+optimizer step (the loss). Every mode the user enters lies above it, so their exits, in whatever
+order they come, pop only their own (`TorchFunctionMode.__exit__` pops the top, whatever it is);
+ampnb takes its mode out from wherever it lies, the user's modes keeping their order.
 
 A mode on the stack costs every op a Python call (a pass-through mode: 1.12x the demo GPT's
 bf16-mixed step on one CPU thread). Nearly all of a step's ops run inside a module's forward
@@ -20,33 +23,40 @@ use; only this module touches them.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.overrides import (
     TorchFunctionMode,
-    _get_current_function_mode,
     _get_current_function_mode_stack,
     _pop_mode,
     _push_mode,
 )
 
+from ampnb import _interrupt
 from ampnb._interrupt import Guard, critical
+from ampnb._interrupt import _pending as _held
 
 GRAD = torch.autograd.grad
-CALLS = frozenset({torch.Tensor.backward, torch.autograd.backward, GRAD})
+_TENSOR_BACKWARD, _BACKWARD = torch.Tensor.backward, torch.autograd.backward
 
-# (the call: one of CALLS, its roots) -> a context the backward runs in (None: nothing)
+# (the call: Tensor.backward, autograd.backward or GRAD; its roots) -> a context the backward runs in (None: nothing)
 Listener = Callable[[Callable[..., Any], list[torch.Tensor]], contextlib.AbstractContextManager
                     | None]
 
 
 class _Here(threading.local):
-    mode: _Mode | None = None   # this thread's mode (on the stack, or held aside)
-    held: tuple[Any, _Mode] | None = None  # (the key that suspended it, the mode)
-    inside = False              # a backward a listener saw runs now: nested ones pass
+    """This thread's mode and who wants it (each thread has its own mode stack)."""
+
+    def __init__(self) -> None:
+        self.mode: _Mode | None = None    # the mode while it is on this thread's stack
+        self.armed: dict[Any, Listener] = {}  # the listeners that want this thread's backwards
+        self.held: Any = None             # the forward or step that suspended it (None: none)
+        self.inside = False               # a backward the mode saw runs now: it is stashed
 
 
 _here = _Here()
@@ -60,30 +70,76 @@ def roots(func: Callable[..., Any], args: tuple, kwargs: dict) -> list[torch.Ten
     return [t.detach() for t in found if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
+def _warn(e: Exception) -> None:
+    warnings.warn(f"ampnb could not follow a backward ({type(e).__name__}: {e}); the backward "
+                  "runs as without ampnb", RuntimeWarning, stacklevel=4)
+
+
+def _contexts(stack: contextlib.ExitStack, func: Callable[..., Any],
+              found: list[torch.Tensor]) -> None:
+    """Enter each armed listener's context; one that fails is a warning, never an error."""
+    for listener in list(_here.armed.values()):
+        try:
+            context = listener(func, found)
+            if context is not None:
+                stack.enter_context(context)
+        except Exception as e:  # an instrument never raises into training
+            _warn(e)
+
+
 class _Mode(TorchFunctionMode):
-    """Runs each backward call inside its listeners' contexts; every other call as it is."""
+    """Runs each backward call inside its thread's listeners' contexts; every other call as it is.
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.listeners: dict[int, Listener] = {}
-        self.thread = threading.get_ident()
+    Critical: torch calls it from its own restore code too (`no_grad.__exit__` setting grad mode
+    back goes through the modes), where an interrupt in this frame would cut that restore; one
+    that arrives while it runs (a backward included) is raised as it returns."""
 
+    @critical
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         __tracebackhide__ = True  # noqa: F841 - IPython shows the user's frames, not this one
-        kwargs = kwargs or {}
-        if func not in CALLS or not self.listeners or _here.inside:
+        try:
+            # nearly every call passes as cheaply as can be (identity: hashing a bound method
+            # of a tensor would call Tensor.__hash__)
+            if func is not _TENSOR_BACKWARD and func is not _BACKWARD and func is not GRAD:
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return _seen(func, args, kwargs or {})
+        finally:
+            if _held:
+                _interrupt.raise_held(sys._getframe(1))
+
+
+def _seen(func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A backward call: run inside this thread's listeners' contexts."""
+    __tracebackhide__ = True  # noqa: F841
+    if not _here.armed or _here.inside:
+        return func(*args, **kwargs)
+    with contextlib.ExitStack() as stack:
+        _contexts(stack, func, roots(func, args, kwargs))
+        # a Guard: an interrupt landing as the flag is set or cleared cannot leave it set (the
+        # stack would then never be put right again in this thread)
+        with Guard(_inside, _outside):
             return func(*args, **kwargs)
-        found = roots(func, args, kwargs)
-        with contextlib.ExitStack() as stack:
-            for listener in list(self.listeners.values()):
-                context = listener(func, found)
-                if context is not None:
-                    stack.enter_context(context)
-            # a Guard: an interrupt landing as the flag is set or cleared cannot leave it set
-            # (every later backward would then pass unseen)
-            with Guard(_inside, _outside):
-                return func(*args, **kwargs)
+
+
+_POP_CODE = torch.overrides._pop_mode_temporarily.__wrapped__.__code__
+
+
+def _putting_back(frame: Any) -> bool:
+    """torch puts a mode back after its __torch_function__ in `_pop_mode_temporarily`'s finally,
+    run by contextlib's __exit__: an interrupt there would leave the generator to put ampnb's
+    mode back whenever it is collected, on whatever stack is there then."""
+    gen = frame.f_locals.get("self") if frame.f_code is _EXIT_CODE else None
+    if gen is not None:
+        gen = getattr(gen, "gen", None)
+        frame = getattr(gen, "gi_frame", None) if getattr(gen, "gi_code", None) is _POP_CODE \
+            else None
+    return frame is not None and frame.f_code is _POP_CODE \
+        and isinstance(frame.f_locals.get("old"), _Mode)
+
+
+_EXIT_CODE = contextlib._GeneratorContextManager.__exit__.__code__
+_interrupt._HOLD_IN.append(_putting_back)
 
 
 def _inside() -> None:
@@ -94,83 +150,92 @@ def _outside(_: None) -> None:
     _here.inside = False
 
 
-_next = [0]
+def _placed(mode: _Mode | None) -> bool:
+    return mode is not None and mode in _get_current_function_mode_stack()
 
 
-@critical
-def listen(listener: Listener) -> Callable[[], None]:
-    """See every backward this thread's code starts from now on; returns what stops it."""
-    mode = _here.mode
-    if mode is None or not _placed(mode):  # none yet, or popped by a context that it outlived
-        mode = _here.mode = _Mode()
-        _push_mode(mode)
-    key = _next[0] = _next[0] + 1
-    mode.listeners[key] = listener
-
-    @critical
-    def stop() -> None:
-        if mode.listeners.pop(key, None) is None or mode.listeners:
-            return
-        if threading.get_ident() == mode.thread:  # another thread's stack is not ours to change
-            _drop(mode)
-    return stop
-
-
-def _placed(mode: _Mode) -> bool:
-    held = _here.held
-    return held is not None and held[1] is mode or mode in _get_current_function_mode_stack()
+def _insert(mode: _Mode) -> None:
+    """Put the mode at the bottom of this thread's stack, below every mode of the user's."""
+    above = []
+    while _get_current_function_mode_stack():
+        above.append(_pop_mode())
+    _push_mode(mode)
+    while above:
+        _push_mode(above.pop())
 
 
 def _drop(mode: _Mode) -> None:
     """Take the mode out of this thread's stack, wherever it is (others keep their order)."""
-    if _here.held is not None and _here.held[1] is mode:
-        _here.held = None
-    if _here.mode is mode:
-        _here.mode = None
     if mode not in _get_current_function_mode_stack():
         return
     above = []
     while (top := _pop_mode()) is not mode:
         above.append(top)
-    for m in reversed(above):
-        _push_mode(m)
+    while above:
+        _push_mode(above.pop())
+
+
+@critical
+def _sync() -> None:
+    """The mode on this thread's stack exactly when a listener wants it and no forward or step
+    holds it. Nothing moves while a backward it dispatched runs (torch holds it aside then)."""
+    if _here.inside:
+        return
+    want = bool(_here.armed) and _here.held is None
+    mode = _here.mode
+    if want and not _placed(mode):
+        _here.mode = mode = _Mode()
+        _insert(mode)
+    elif not want and mode is not None:
+        _here.mode = None
+        _drop(mode)
+
+
+@critical
+def arm(key: Any, listener: Listener) -> None:
+    """From now on, each backward this thread's code starts runs inside listener's context."""
+    _here.armed[key] = listener
+    _sync()
+
+
+@critical
+def disarm(key: Any) -> None:
+    """This thread's backwards no longer go to key's listener (the mode leaves with the last)."""
+    if _here.armed.pop(key, None) is not None:
+        _sync()
 
 
 @critical
 def suspend(key: Any) -> None:
-    """Take this thread's mode off the top of the stack until `resume(key)` (a forward or an
-    optimizer step starts). Inside another key's suspension nothing changes; the same key
-    again, or any key while an optimizer's step holds it, means that end never ran (an
-    exception skips a step's post hooks, a KeyboardInterrupt a forward's end hooks; a step
-    that runs forwards inside, given a closure, is never suspended)."""
+    """Take this thread's mode off the stack until `resume(key)` (a forward or an optimizer step
+    starts). Inside another key's suspension nothing changes; the same key again, or any key
+    while an optimizer's step holds it, means that end never ran (an exception skips a step's
+    post hooks, a KeyboardInterrupt a forward's end hooks; a step that runs forwards inside,
+    given a closure, is never suspended)."""
     held = _here.held
     if held is not None:
-        if held[0] is not key and not isinstance(held[0], torch.optim.Optimizer):
+        if held is not key and not isinstance(held, torch.optim.Optimizer):
             return
-        resume(held[0])
-    mode = _here.mode
-    if mode is not None and mode.listeners and _get_current_function_mode() is mode:
-        _here.held = (key, _pop_mode())
+        resume(held)
+    if _here.armed:
+        _here.held = key
+        _sync()
 
 
 @critical
 def resume(key: Any) -> None:
     """Put back what `suspend(key)` took (nothing, if it took nothing)."""
-    held = _here.held
-    if held is None or held[0] is not key:
+    if _here.held is None or _here.held is not key:
         return
     _here.held = None
-    if held[1].listeners:
-        _push_mode(held[1])
-    elif _here.mode is held[1]:
-        _here.mode = None
+    _sync()
 
 
 @critical
 def release() -> None:
     """Whatever this thread holds suspended goes back (an owner closing)."""
     if _here.held is not None:
-        resume(_here.held[0])
+        resume(_here.held)
 
 
 def runs_inside(args: tuple, kwargs: dict) -> bool:
@@ -227,19 +292,21 @@ def _unhook(handles: list[Any]) -> None:
 def seen_everywhere(listener: Listener) -> Guard:
     """A context in which every backward this thread's code starts runs inside
     listener(call, roots)'s context, the mode suspended in every forward and optimizer step."""
-    def enter() -> tuple[list[Any], Callable[[], None]]:
+    key = object()
+
+    def enter() -> list[Any]:
         handles = _hook_everything()
         try:
-            return handles, listen(listener)
+            arm(key, listener)
         except BaseException:
             _unhook(handles)
             raise
+        return handles
 
-    def exit(state: tuple[list[Any], Callable[[], None]]) -> None:
-        handles, stop = state
+    def exit(handles: list[Any]) -> None:
         try:
             _unhook(handles)
         finally:
-            stop()
+            disarm(key)
 
     return Guard(enter, exit)

@@ -1,7 +1,9 @@
-"""Interrupt sweep: deliver a KeyboardInterrupt at each line ampnb executes, as Jupyter would.
+"""Interrupt sweep: deliver a KeyboardInterrupt at each line ampnb executes, or at each function
+entry in any frame (torch's and contextlib's too), as Jupyter would.
 
-A real "interrupt kernel" is a SIGINT: Python runs the SIGINT handler at the next line, and the
-default handler raises KeyboardInterrupt there. Where ampnb holds SIGINT back
+A real "interrupt kernel" is a SIGINT: Python runs the SIGINT handler at the next line, or at
+the entry of the next function called (`events="calls"`: every Python frame, seen through
+`sys.setprofile`), and the default handler raises KeyboardInterrupt there. Where ampnb holds SIGINT back
 (`ampnb._interrupt.deferred`), the handler is `_hold`, which only records it. The sweep calls
 whatever handler is installed at the chosen line, so it sees exactly what a user would.
 Every delivered interrupt must also reach the caller: one that the run swallowed, or that
@@ -15,6 +17,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 import ampnb
 
@@ -55,9 +59,41 @@ class LineCounter:
             sys.settrace(previous)
 
 
-def lines_of(fn: Callable[[], Any]) -> int:
-    """How many ampnb line events one clean run of fn has."""
-    counter = LineCounter()
+class CallCounter:
+    """Counts (or interrupts at) the function entries of every Python frame, anywhere."""
+
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.count, self.stop_at, self.fired_at = 0, stop_at, None
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        self.count += 1
+        if self.count == self.stop_at:
+            sys.setprofile(None)  # one interrupt a run
+            code = frame.f_code
+            self.fired_at = f"{code.co_filename}:{frame.f_lineno} ({code.co_name})"
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                handler(signal.SIGINT, frame)  # raised in the frame being entered
+            else:
+                raise KeyboardInterrupt
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        try:
+            return fn()
+        finally:
+            sys.setprofile(previous)
+
+
+COUNTERS = {"lines": LineCounter, "calls": CallCounter}
+
+
+def lines_of(fn: Callable[[], Any], events: str = "lines") -> int:
+    """How many ampnb line events (or function entries anywhere) one clean run of fn has."""
+    counter = COUNTERS[events]()
     counter.run(fn)
     return counter.count
 
@@ -69,9 +105,19 @@ def points(total: int, budget: int) -> list[int]:
     return sorted({1 + round(i * (total - 1) / (budget - 1)) for i in range(budget)})
 
 
-def interrupt_at(k: int, fn: Callable[[], Any]) -> tuple[str | None, list[str]]:
-    """Run fn with an interrupt at its k-th ampnb line: (where it fired, how it was lost)."""
-    counter, unraisable = LineCounter(stop_at=k), []
+def _foreign_generator(obj: Any) -> bool:
+    """A generator whose closing as it is collected loses an interrupt whatever ampnb does:
+    torch's, or any generator expression (`any(genexpr)` stopping early; it holds no cleanup,
+    and CPython 3.11 resumes it to close it)."""
+    code = getattr(obj, "gi_code", None)
+    return code is not None and (code.co_name == "<genexpr>"
+                                 or not code.co_filename.startswith(PACKAGE))
+
+
+def interrupt_at(k: int, fn: Callable[[], Any], events: str = "lines"
+                 ) -> tuple[str | None, list[str]]:
+    """Run fn with an interrupt at its k-th event: (where it fired, how it was lost)."""
+    counter, unraisable = COUNTERS[events](stop_at=k), []
     previous, sys.unraisablehook = sys.unraisablehook, unraisable.append
     reached = False
     try:
@@ -80,7 +126,12 @@ def interrupt_at(k: int, fn: Callable[[], Any]) -> tuple[str | None, list[str]]:
         reached = True
     finally:
         sys.unraisablehook = previous
-    if any(issubclass(u.exc_type, KeyboardInterrupt) for u in unraisable):
+    lost = [u for u in unraisable if issubclass(u.exc_type, KeyboardInterrupt)]
+    if lost and all(_foreign_generator(u.object) for u in lost):
+        # closing a generator torch's code left suspended (`all(genexpr)` stopping early) as
+        # it is collected: CPython loses an interrupt landing there with or without ampnb
+        return None, []
+    if lost:
         return counter.fired_at, ["the interrupt was ignored in a finalizer"]
     if counter.fired_at and not reached:
         return counter.fired_at, ["the interrupt never reached the caller"]
@@ -88,19 +139,62 @@ def interrupt_at(k: int, fn: Callable[[], Any]) -> tuple[str | None, list[str]]:
 
 
 def sweep(setup: Callable[[], Any], run: Callable[[Any], Any],
-          check: Callable[[Any], list[str]], budget: int) -> tuple[int, list[str]]:
-    """Interrupt `run(setup())` at sampled lines; returns (points tried, leak descriptions)."""
-    total = lines_of(lambda: run(setup()))
+          check: Callable[[Any], list[str]], budget: int, events: str = "lines"
+          ) -> tuple[int, list[str]]:
+    """Interrupt `run(setup())` at sampled lines of ampnb (events="lines") or function entries
+    anywhere (events="calls"); returns (points tried, leak descriptions)."""
+    total = lines_of(lambda: run(setup()), events)
     leaks = []
     tried = points(total, budget)
     for k in tried:
         world = setup()
-        fired_at, lost = interrupt_at(k, lambda w=world: run(w))
+        fired_at, lost = interrupt_at(k, lambda w=world: run(w), events)
         try:
             problems = check(world)
         except KeyboardInterrupt:  # a held interrupt that surfaced only after the run
             problems = ["an interrupt held during the run was raised only afterwards"]
         problems += lost
         if problems:
-            leaks.append(f"line {k}/{total} at {fired_at}: {'; '.join(problems)}")
+            leaks.append(f"{events[:-1]} {k}/{total} at {fired_at}: {'; '.join(problems)}")
     return len(tried), leaks
+
+
+def _autocast_nesting() -> int:
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return depth
+
+
+def _global_hooks() -> int:
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    return sum(len(d) for d in (
+        module._global_forward_hooks, module._global_forward_pre_hooks,
+        module._global_backward_hooks, module._global_backward_pre_hooks,
+        optimizer._global_optimizer_pre_hooks, optimizer._global_optimizer_post_hooks))
+
+
+def process_state() -> tuple:
+    """What an interrupt must never leave changed in the process, beyond torch's flags: the
+    autocast nesting counter, the function and dispatch mode stacks, global module and
+    optimizer hooks, the SIGINT handler, ampnb's per-thread backward state, held interrupts."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from ampnb import _interrupt, backwards
+
+    here = backwards._here
+    return (("autocast nesting", _autocast_nesting()),
+            ("function modes", tuple(map(type, _get_current_function_mode_stack()))),
+            ("dispatch modes", tuple(map(type, _get_current_dispatch_mode_stack()))),
+            ("global hooks", _global_hooks()),
+            ("SIGINT handler", signal.getsignal(signal.SIGINT)),
+            ("ampnb.backwards", (here.mode, len(getattr(here, "armed", ())), here.held,
+                                 here.inside)),
+            ("held interrupts", len(_interrupt._pending)))
+
+
+def changed(before: tuple, after: tuple) -> list[str]:
+    """What differs between two `process_state()`s, by name."""
+    return [f"{name} {a!r} -> {b!r}" for (name, a), (_, b) in zip(before, after) if a != b]

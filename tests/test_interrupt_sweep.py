@@ -148,3 +148,68 @@ def test_interrupt_anywhere_in_a_panel_keep_fp32_round_trip_leaks_nothing():
     tried, leaks = sweep(_panel_world, run, check, BUDGET)
     assert tried > 10
     assert not leaks, f"{len(leaks)} of {tried} interrupt points leaked:\n" + "\n".join(leaks[:10])
+
+
+# ----- function entries in every frame (torch's and contextlib's too) ---------------------------
+
+CALL_CELLS = [
+    ("bf16-mixed", "lin(x).float().sum().backward()"),
+    ("bf16-mixed", "torch.autograd.backward(lin(x).sum())"),
+    ("16-mixed", "y = lin(x)"),
+]
+
+
+@pytest.mark.parametrize(("line", "cell"), CALL_CELLS,
+                         ids=[f"{line} :: {cell}" for line, cell in CALL_CELLS])
+def test_interrupt_at_any_function_entry_in_a_cell_leaks_nothing(ip, line, cell):
+    """The autocast nesting counter, the mode stacks, hooks, SIGINT handler all as before."""
+    from _sweep import changed, process_state
+
+    def setup():
+        world = _cell_world(ip)
+        world["process"] = process_state()
+        return world
+
+    def run(world):
+        with capture_output():
+            world["ip"].run_cell_magic("amp", line + " -q", cell)
+
+    def check(world):
+        return _cell_check(world) + changed(world["process"], process_state())
+
+    tried, leaks = sweep(setup, run, check, BUDGET, events="calls")
+    assert tried > 10
+    assert not leaks, f"{len(leaks)} of {tried} interrupt points leaked:\n" + "\n".join(leaks[:10])
+
+
+def test_interrupt_at_any_function_entry_in_a_watched_loop_leaks_nothing():
+    """A watch around a loop (a user's mode is left out: an interrupt landing in its own
+    __torch_function__ as `no_grad` puts grad mode back cuts that restore, with or without ampnb)."""
+    from _sweep import changed, process_state
+
+    import ampnb
+
+    def setup():
+        m = torch.nn.Linear(8, 1)
+        hooks = (dict(m._forward_hooks), dict(m._forward_pre_hooks))
+        return {"m": m, "opt": torch.optim.SGD(m.parameters(), lr=0.1), "hooks": hooks,
+                "before": _state.snapshot(), "process": process_state()}
+
+    def run(w):
+        with ampnb.watch(w["m"], w["opt"]):
+            for _ in range(2):
+                w["opt"].zero_grad()
+                w["m"](torch.randn(2, 8)).sum().backward()
+                w["opt"].step()
+
+    def check(w):
+        problems = changed(w["process"], process_state())
+        if (dict(w["m"]._forward_hooks), dict(w["m"]._forward_pre_hooks)) != w["hooks"]:
+            problems.append("the watch's hooks are still on the model")
+        if _state.snapshot() != w["before"]:
+            problems.append("torch state changed")
+        return problems
+
+    tried, leaks = sweep(setup, run, check, BUDGET, events="calls")
+    assert tried > 10
+    assert not leaks, f"{len(leaks)} of {tried} interrupt points leaked:\n" + "\n".join(leaks[:10])

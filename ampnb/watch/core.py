@@ -2,10 +2,13 @@
 
 Hooks only, the loop unchanged and nothing of it run twice: a forward pre-hook on the model (and
 its children), forward hooks on every module on statistics steps (tensor hooks on their
-outputs), the optimizer's step pre/post hooks, the scaler read through `get_scale()` only, and
-each backward's roots (its losses) through `ampnb.backwards`' TorchFunctionMode, which the
-watch's own forward and step hooks keep off the stack while the model's forward and the
-optimizer's step run. A step ends at the optimizer's step post hook; a
+outputs), the optimizer's step pre/post hooks, the scaler read through `get_scale()` only. A
+micro-batch is a backward that reached the model's own outputs and ended (a multi-grad hook on
+them, in whatever thread runs it); its losses are the roots of the backward call that did, seen
+through `ampnb.backwards`' TorchFunctionMode, armed in the loop's thread from the model's
+forward's end to the next forward or step. A failure in any of these hooks is one warning and a
+record marked incomplete, never an error in the user's step. A step ends at the optimizer's step
+post hook (a step given a closure, LBFGS's, is one step however often it calls it); a
 step the GradScaler skipped (it never calls optimizer.step, unless fused: then its found_inf says
 so) is seen to have ended at the next forward (its gradients reset, or the scale backed off), or
 at `close()`/`records`. Without a GradScaler nothing is read back from the device between
@@ -19,7 +22,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +34,11 @@ from ampnb._tree import map_tensors
 from ampnb.putback import Rng
 from ampnb.start import param_dtype
 from ampnb.step import _AUTOCAST_DEVICES
-from ampnb.watch import inputs, overflow, owner, summary
+from ampnb.watch import inputs, owner
+from ampnb.watch.backward import Backwards, in_backward
+from ampnb.watch.ending import Ending
 from ampnb.watch.hooks import Hook, StepState, fast_probe, float_outputs, module_names
-from ampnb.watch.records import StepRecord, log_path, write
+from ampnb.watch.records import StepRecord, log_path
 
 _NARROW = (torch.float16, torch.bfloat16)
 
@@ -54,7 +58,7 @@ def _tensorboard(log_dir: Any, rank: int | None) -> Any:
         return None
 
 
-class Watch:
+class Watch(Backwards, Ending):
     """Records the user's own training loop per optimizer step (see `ampnb.watch`)."""
 
     def __init__(self, model: nn.Module, optimizer: Any, scaler: Any = None, *, every: int = 1,
@@ -75,7 +79,11 @@ class Watch:
         self._callbacks: list[Callable[[StepRecord], Any]] = []
         self._state: StepState | None = None
         self._token: tuple | None = None  # the gradients as the last backward left them
-        self._fresh = False  # the model ran a forward since the last backward counted
+        self._done = 0  # micro-batches whose backward ended, all steps
+        self._grad_call = False  # an autograd.grad runs now: it feeds no step
+        self._stepping: str | None = None  # inside its optimizer's step: 'plain' or 'closure'
+        self._rooted_in_step = False  # a closure step's first loss was taken (step() returns it)
+        self._warned = False
         self._armed: list[Any] = []  # the modules' forward hooks, there on statistics steps
         self._entered: nn.Module | None = None  # the entry module whose forward runs now
         self._keeping = self.keep_overflow is not None  # until kept (or a save failed)
@@ -162,6 +170,9 @@ class Watch:
             if self._log is not None:  # one watch per log_dir: another is refused until close()
                 undo.append(owner.claim(self._log, self._shown))
             undo.append(lambda: self._arm(False))
+            undo.append(lambda: backwards.disarm(self))  # this thread's (a loop's own
+            # thread disarms at its next step)
+            undo.append(backwards.release)  # a forward an interrupt cut: its mode back
             for m in [self._model, *self._model.children()]:
                 undo.append(m.register_forward_pre_hook(
                     Hook(self._on_forward_start), with_kwargs=True).remove)
@@ -170,8 +181,6 @@ class Watch:
             opt = self._optimizer
             undo.append(opt.register_step_pre_hook(Hook(self._pre_step)).remove)
             undo.append(opt.register_step_post_hook(Hook(self._post_step)).remove)
-            undo.append(backwards.listen(self._on_backward))
-            undo.append(backwards.release)  # a forward an interrupt cut: its mode back
             if self.log_dir is not None:
                 self._tb = _tensorboard(self.log_dir, self.rank)
         except BaseException:
@@ -205,6 +214,7 @@ class Watch:
             # found_inf back from the device on every step anyway)
             scale = float(self._scaler.get_scale()) if self._scaler is not None else None
             self._state = StepState(self._next_is_stats(), scale)
+            self._state.report = self.failed
             if self._keeping and self._scaler is not None:  # as it was before the step
                 self._state.scaler_state = self._scaler.state_dict()
             self._arm(self._state.stats)
@@ -223,15 +233,19 @@ class Watch:
         return ()
 
     def _settle(self) -> None:
-        """A step with no optimizer.step since its last backward has ended when its gradients
-        were reset since (zero_grad) or its GradScaler's update changed the scale (Lightning
-        zeroes them only after the next forward): skipped by the scaler (or by the loop)."""
+        """A step with no optimizer.step since its last backward has ended when its GradScaler's
+        update changed the scale, or its gradients were reset since (zero_grad; Lightning zeroes
+        them only after the next forward): skipped by the scaler. Without a scaler, gradients
+        reset without a step were thrown away by the loop: no step, no record."""
         s = self._state
         if s is None or not s.micro_batches:
             return
-        if (self._token is not None and self._grads() != self._token
-                or self._scaler is not None and float(self._scaler.get_scale()) != s.scale):
-            self._finish(skipped=self._scaler is not None)
+        reset = self._token is not None and self._grads() != self._token
+        if self._scaler is not None and (reset or float(self._scaler.get_scale()) != s.scale):
+            self._finish(skipped=True)
+        elif reset:
+            self._state, self._token = None, None
+            self._arm(self._next_is_stats())
 
     def _on_forward_start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         backwards.suspend(module)  # off the stack through the forward: no backward starts there
@@ -239,12 +253,15 @@ class Watch:
         # inference. The same entry again is a new call: its end hook, which torch runs on
         # exceptions but not on a KeyboardInterrupt, may not have run
         if (self._entered is not None and self._entered is not module
-                or not torch.is_grad_enabled()):
+                or not torch.is_grad_enabled() or in_backward()):
             return
-        self._settle()
+        backwards.disarm(self)  # the losses from here on are this forward's
+        if self._stepping == "plain":  # a forward after a step whose post hooks never ran:
+            self._stepping = None      # that step raised, and was no step
+        if self._stepping is None:  # a closure's forwards are inside one step
+            self._settle()
         self._entered = module
         s = self._current()
-        self._fresh = True
         if math.isnan(s.t0):
             s.t0 = time.perf_counter()
             s.autocast = [(d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
@@ -260,6 +277,11 @@ class Watch:
         if self._entered is not module:
             return
         self._entered = None
+        outs = [t for t in float_outputs(out) if t.requires_grad]
+        if outs:  # a backward that reaches them is this model's micro-batch; its losses
+            # come through the mode, in this thread until the next forward or step
+            torch.autograd.graph.register_multi_grad_hook(outs, Hook(self._reached), mode="any")
+            backwards.arm(self, self._on_backward)
         s = self._state
         if self._keeping and s is not None and len(s.out_grads) < len(s.inputs):
             # the gradient the user's loss sent into each output: replay's backward is theirs
@@ -271,36 +293,18 @@ class Watch:
             s.out_grads.append(grads)
 
     def _on_output(self, i: int, module: nn.Module, args: Any, out: Any) -> None:
-        if not torch.is_grad_enabled():
+        # no grad: inference, unless inside a training forward (a reentrant checkpoint's region)
+        if not torch.is_grad_enabled() and self._entered is None:
             return
         s = self._state or self._current()
         s.on_output(i, s.stats and i in self._stat_set, args, out)
 
-    def _on_backward(self, call: Any, roots: list[torch.Tensor]) -> _After | None:
-        """A backward starts from `roots`: one of this step's micro-batches, if this watch's
-        model ran a forward since the last one counted (else another model's, or an
-        autograd.grad: no step's gradients)."""
-        if not self._fresh or call is backwards.GRAD:
-            return None
-        self._fresh = False
-        s = self._current()
-        s.micro_batches += 1
-        if math.isnan(s.t0):
-            s.t0 = time.perf_counter()
-
-        def after() -> None:
-            s.after_backward(roots)
-            self._token = self._grads()
-            if s.stats and s.first is None and s.grads_first is None:
-                s.grads_first = summary.grads_module(self._modules, self._stats)
-            if s.stats and self._scaler is not None:  # still scaled (unscaled here); a
-                # skipped step's are gone by the time its end is seen (zero_grad)
-                s.read_grads(self._modules, self._stats, s.scale or 1.0)
-        return _After(after)
-
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not backwards.runs_inside(args, kwargs):  # off the stack through the update
+        closure = backwards.runs_inside(args, kwargs)
+        self._stepping, self._rooted_in_step = ("closure" if closure else "plain"), False
+        if not closure:  # off the stack through the update
             backwards.suspend(optimizer)
+            backwards.disarm(self)
         s = self._current()
         # A GradScaler hands an optimizer that unscales inside its own (fused) step the scale
         # and its found_inf as these two attributes, and calls its step even to skip it
@@ -326,76 +330,8 @@ class Watch:
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         backwards.resume(optimizer)
+        self._stepping = None
         self._finish(skipped=False)
-
-    @staticmethod
-    def _probe(s: StepState) -> float:
-        """The step's loss plus its gradient probe: finite when both are (a read)."""
-        probe = float(s.grads_probe) if s.grads_probe is not None else 0.0
-        return s.loss() + probe
-
-    # ----- the step's end --------------------------------------------------------------------
-
-    def _keep(self, s: StepState) -> None:
-        """Save the step (keep_overflow); a failure is a warning, never an error in the loop."""
-        self._keeping = False  # once: kept, or failed
-        self.overflow_file = overflow.keep(self.keep_overflow, s, self._model, self._optimizer,
-                                           len(self._records) + len(self._ended))
-
-    def _finish(self, skipped: bool) -> None:
-        s, self._state, self._token = self._current(), None, None
-        s.skipped = skipped
-        s.seconds, s.time = time.perf_counter() - s.t0, time.time()
-        if self._keeping and (skipped or s.found_inf is not None and bool(s.found_inf)):
-            self._keep(s)  # a skipped step left model and optimizer as they were
-        if s.stats:
-            if not s.grads_read:  # no backward seen (log_loss only)
-                s.read_grads(self._modules, self._stats, 1.0)
-            if s.before is not None:
-                s.lost = summary.lost_updates(s.before)
-            s.before = None
-            s.layers = summary.layers(s, self.names, self._stats, s.scale)
-        s.inputs, s.out_grads, s.rng = [], [], None
-        self._ended.append(s)
-        if s.stats:
-            self._make_records()
-        self._arm(self._next_is_stats())  # ready for the next step's forward
-
-    def _make_records(self) -> None:
-        """The ended steps' records (their reads happen here), logged and given to callbacks."""
-        ended, self._ended = self._ended, []
-        for s in ended:
-            record = summary.step_record(s, len(self._records), self.rank or 0, self.names,
-                                         self._modules, self._stats)
-            self._records.append(record)
-            if self._log is not None:
-                self._write(record)
-            for callback in self._callbacks:
-                callback(record)
-
-    def _write(self, record: StepRecord) -> None:
-        try:
-            write(self._log, [record])
-            if self._tb is not None:
-                self._tb.write(record)
-        except OSError as e:  # a full disk must not end the training
-            warnings.warn(f"ampnb.watch could not write to {self.log_dir}: {e}", stacklevel=3)
-
-
-class _After:
-    """A context that calls fn when its body (a backward) ran without an error."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-
-    def __enter__(self) -> None:
-        return None
-
-    @critical
-    def __exit__(self, kind: Any, *_: Any) -> None:
-        if kind is None:
-            self.fn()
-
 
 def _keep_grad(grads: list, k: int, g: torch.Tensor) -> None:
     grads[k] = g.detach()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,8 +41,21 @@ class Gone:
 
 
 class Hook(functools.partial):
-    """A hook (a partial: called from C, no Python frame of its own) that pickles and
-    deep-copies as `Gone` (a saved or copied model takes no watch along)."""
+    """A hook that pickles and deep-copies as `Gone` (a saved or copied model takes no watch
+    along) and never raises into the user's step: a failure goes to its owner's `failed`
+    (a watch's or a step's: one warning, the record marked incomplete)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as e:  # an instrument never raises into training
+            report = getattr(getattr(self.func, "__self__", None), "failed", None)
+            if report is None:
+                warnings.warn(f"ampnb.watch: a hook failed ({type(e).__name__}: {e})",
+                              RuntimeWarning, stacklevel=2)
+            else:
+                report(e)
+            return None
 
     def __reduce__(self) -> tuple:
         return (Gone, ())
@@ -161,6 +176,14 @@ class StepState:
         self.before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.lost: float | None = None
         self.layers: tuple = ()
+        self.incomplete = False  # a hook failed: some figures are missing
+        self.report: Callable[[Exception], None] | None = None  # the watch's warning
+
+    def failed(self, e: Exception) -> None:
+        """One of this step's hooks failed: the record is incomplete; the watch warns."""
+        self.incomplete = True
+        if self.report is not None:
+            self.report(e)
 
     # ----- hooks ---------------------------------------------------------------------------
 
@@ -192,7 +215,7 @@ class StepState:
         On statistics steps one probe (a read) says whether a root is non-finite; if so, the
         first non-finite module output names where (none: the loss itself). Outputs dropped."""
         outputs, self.outputs = self.outputs, []
-        self.roots.extend(r for r in roots if r.numel() == 1)
+        self.roots.extend(r.reshape(()) for r in roots if r.numel() == 1)  # [] and [1] alike
         if not self.stats or self.first is not None or not roots:
             return
         if first_nonfinite(roots) is None:

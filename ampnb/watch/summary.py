@@ -86,4 +86,11 @@ def step_record(s: StepState, step: int, rank: int, names: list[str], modules: l
         skipped=s.skipped, nonfinite=nonfinite,
         first_module=names[first] if first is not None else "",
         first_phase=(phase or "backward") if nonfinite and s.stats else "",
-        lost_updates=s.lost, seconds=s.seconds, time=s.time, layers=s.layers)
+        lost_updates=s.lost, seconds=s.seconds, time=s.time, layers=s.layers,
+        incomplete=s.incomplete)
+
+
+def bare_record(s: StepState, step: int, rank: int) -> StepRecord:
+    """What is known of a step whose figures could not be read: marked incomplete."""
+    return StepRecord(step=step, rank=rank, micro_batches=s.micro_batches, scale=s.scale,
+                      skipped=s.skipped, seconds=s.seconds, time=s.time, incomplete=True)

@@ -64,6 +64,7 @@ class StepRecord:
     seconds: float = math.nan        # wall time from the step's first forward to its end
     time: float = math.nan           # wall-clock time.time() at the step's end (orders ranks)
     layers: tuple[LayerStats, ...] = field(default_factory=tuple)  # every `every` steps, else ()
+    incomplete: bool = False         # a hook of the watch failed: some figures are missing
 
     @property
     def has_scaler(self) -> bool:
