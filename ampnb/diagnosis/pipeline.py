@@ -18,7 +18,7 @@ from ampnb.diagnosis.code import code
 from ampnb.diagnosis.details import Details, details
 from ampnb.diagnosis.evidence import ModeRow, acceptable, mode_row
 from ampnb.diagnosis.failures import expected
-from ampnb.diagnosis.headline import Headline, headline, later_steps
+from ampnb.diagnosis.headline import Headline, headline, islands_hold, later_steps
 from ampnb.diagnosis.islands_stage import Islands, islands_stage
 from ampnb.diagnosis.recommend import choose
 from ampnb.diagnosis.records import Checks, Plan, Settings
@@ -105,7 +105,8 @@ def report(setup: Setup, p: Plan, head: Headline, found: list[ModeRow], isl: Isl
     return DoctorReport(setup.device, rec, elsewhere, tuple(every), more.layers, grads,
                         more.profiles, (*p.skipped, *head.failed), more.fp64, notes, s.tol,
                         torch.get_num_threads(), s.repeat, tuple(clock.left_out),
-                        clock.summary(), checks.checks, noise=head.noise)
+                        clock.summary(), checks.checks, noise=head.noise,
+                        planned=tuple(c.name for c in (p.reference, *p.headline, *p.emulated)))
 
 
 def diagnose(setup: Setup, p: Plan, s: Settings, clock: Clock,
@@ -116,7 +117,8 @@ def diagnose(setup: Setup, p: Plan, s: Settings, clock: Clock,
     if not head.ref.finite:
         raise _reference_failed(head.setup, p)
     setup = head.setup  # from here on: the modules that draw random numbers kept from drawing
-    head = later_steps(head, p.emulated, clock, s.say)
+    with clock.held(islands_hold(head, p.headline, clock)):
+        head = later_steps(head, p.emulated, clock, s.say)
     found = rows(p, head, {})
     isl = islands_stage(setup, p, head, found, s, clock)
     checks = checks_stage(setup, p, found + list(isl.rows), s, clock)
