@@ -247,7 +247,7 @@ class SleepyOverflow(ForwardOverflow):
     that under bf16 autocast (an AVX2 CPU's bf16, planted): plain steps long and steady enough
     for the doctor's budget to be counted in them on any CPU, however loaded."""
 
-    def __init__(self, per_sample: float = 0.5 / 64, bf16_slowdown: float = 12.0) -> None:
+    def __init__(self, per_sample: float = 0.5 / 64, bf16_slowdown: float = 8.0) -> None:
         super().__init__()
         self.per_sample, self.bf16_slowdown = per_sample, bf16_slowdown
 

@@ -40,6 +40,7 @@ from ampnb.step import forward_loss
 
 UNIT_STEPS = 2  # plain 32-true steps after its first: the budget's unit, and the noise
 ISLANDS_STEPS = 5.0  # plain steps kept for a broken mixed mode's islands before later work
+SURE = 2.0  # a mixed mode priced at most this many plain steps a step always runs in the headline
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,7 +150,7 @@ def headline(setup: Setup, ref_cand: Candidate, cands: Sequence[Candidate], cloc
     mixed = [c for c in cands if keeps_model(c)]
     head, scalers = _first_steps(head, ref_cand, mixed, copies, clock, say, must=True)
     times = _rounds(setup, [ref_cand, *_finite(head, mixed)], copies, scalers, head.estimates,
-                    clock, repeat, say)
+                    clock, repeat, say, must=True)
     # true modes convert the model (a copy of their own) and are recommended only after a
     # multi-step check: their step, then their timing, as the budget allows, with the islands of
     # a mixed mode that broke kept in hand (they come first in the budget's order)
@@ -157,7 +158,7 @@ def headline(setup: Setup, ref_cand: Candidate, cands: Sequence[Candidate], cloc
     with clock.held(islands_hold(head, mixed, clock)):
         head, more = _first_steps(head, ref_cand, true, copies, clock, say, must=False)
         later = _rounds(setup, [ref_cand, *_finite(head, true)], copies, more, head.estimates,
-                        clock, repeat, say)
+                        clock, repeat, say, must=False)
     beside = {n: times.get(ref_cand.name, []) for n in times}
     beside.update({n: later.get(ref_cand.name, []) for n in later})
     times.update({n: t for n, t in later.items() if n != ref_cand.name})
@@ -222,8 +223,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
                        "(its forward on a slice of the batch, measured), more than the whole "
                        "budget")
             continue
-        if not clock.fits(estimates[c.name], f"{what}, priced by its forward on a slice of the "
-                                              "batch"):
+        if not (must and _sure(c, estimates, plain)) and not _fits(c, runs, estimates, clock):
             continue
         reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
@@ -239,6 +239,23 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
             torch.amp.GradScaler(torch.device(setup.device).type, init_scale=scale)
     return dataclasses.replace(head, runs=runs, estimates=estimates, too_large=tuple(too_large),
                                failed=tuple(failed)), scalers
+
+
+def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float], clock: Clock
+          ) -> bool:
+    """Whether a candidate's priced step fits, with the islands of a mode that broke before it
+    kept in hand (cheaper modes step first: an fp16 overflow's islands come before a slow mode)."""
+    broken = any(not r.finite for r in runs.values())
+    with clock.held(ISLANDS_STEPS * clock.plain if broken else 0.0):
+        return clock.fits(estimates[c.name], f"{c.name}: its step, priced by its forward on a "
+                                             "slice of the batch")
+
+
+def _sure(c: Candidate, estimates: dict[str, float], plain: float) -> bool:
+    """A headline mode that always runs (and is timed): one whose step is priced at most SURE
+    plain steps (native units, or fp16 through ampnb's fp16 kernels, here); a dearer one (no
+    native units, measured so) runs as it fits."""
+    return estimates.get(c.name, plain) <= SURE * plain
 
 
 def _made(setup: Setup, head: Headline, ref_cand: Candidate, c: Candidate, key: str,
@@ -268,13 +285,16 @@ def _probe(setup: Setup, ref: tuple[Candidate, nn.Module] | None,
 
 def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,
             estimates: dict[str, float], clock: Clock, repeat: int,
-            say: Callable[[str], None]) -> dict[str, list[float]]:
+            say: Callable[[str], None], *, must: bool) -> dict[str, list[float]]:
     """Up to `repeat` round-robin rounds, as many as the budget holds, of 32-true and the modes
-    whose steps fit in one round beside it (the dearest left out first, with its cost said)."""
+    whose steps fit in one round beside it (the dearest left out first, with its cost said);
+    when `must` (the headline's mixed modes), those that always run are timed at least once."""
     est = {c.name: clock.plain if c is timed[0] else estimates[c.name] for c in timed}
     hand = clock.plain + clock.reserve
-    kept = sorted(timed[1:], key=lambda c: est[c.name])
-    while kept and clock.left < SAFETY * sum(est[c.name] for c in (timed[0], *kept)) + hand:
+    sure = {c.name for c in timed if must and _sure(c, est, clock.plain)}
+    kept = sorted(timed[1:], key=lambda c: (c.name in sure, -est[c.name]), reverse=True)
+    while kept and kept[-1].name not in sure and \
+            clock.left < SAFETY * sum(est[c.name] for c in (timed[0], *kept)) + hand:
         c = kept.pop()
         clock.skip(f"timing {c.name} beside 32-true", f"about {est[c.name] / clock.plain:.1f} "
                    "plain steps a round; its errors are from its first step")
