@@ -1,9 +1,12 @@
-"""The doctor's headline: every mode this machine runs natively or slowly, as plain steps.
+"""The doctor's headline: every mode this machine runs natively, through ampnb's fp16 kernels or
+slowly, as plain steps.
 
-Each mode's first step starts from the snapshot and gives its loss and gradient errors against
-32-true's (no per-module instruments); then the modes step round-robin on their working copies
-and those steps give the speeds. The budget cannot drop this stage: a mode is left out only when
-one of its steps, measured here beforehand, is larger than the whole budget.
+Each mode's step is first priced by its forward on a slice of the batch; then the modes take
+their first steps, cheapest first, from the snapshot: each gives its loss and gradient errors
+against 32-true's (no per-module instruments); then the finite ones step round-robin on their
+working copies and those steps give the speeds. A mode priced at most SURE plain steps always
+runs (unless one step is over the whole budget); a dearer one runs only as it fits, after the
+islands of a cheaper mode that broke, and the report says what it would have cost.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from torch import nn
 
 from ampnb.device import sync
-from ampnb.diagnosis.budget import SAFETY, Clock
+from ampnb.diagnosis.budget import DEFAULT_STEPS, SAFETY, Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
 from ampnb.diagnosis.cost import ratios, sliced
 from ampnb.diagnosis.run import (
@@ -40,7 +43,7 @@ from ampnb.step import forward_loss
 
 UNIT_STEPS = 2  # plain 32-true steps after its first: the budget's unit, and the noise
 ISLANDS_STEPS = 5.0  # plain steps kept for a broken mixed mode's islands before later work
-SURE = 2.0  # a mixed mode priced at most this many plain steps a step always runs in the headline
+SURE = 2.0  # a mixed mode priced at most this many steps of the budget always runs in the headline
 
 
 @dataclass(frozen=True, eq=False)
@@ -223,7 +226,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
                        "(its forward on a slice of the batch, measured), more than the whole "
                        "budget")
             continue
-        if not (must and _sure(c, estimates, plain)) and not _fits(c, runs, estimates, clock):
+        if not (must and _sure(c, estimates, clock)) and not _fits(c, runs, estimates, clock):
             continue
         reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
@@ -251,11 +254,13 @@ def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float]
                                              "slice of the batch")
 
 
-def _sure(c: Candidate, estimates: dict[str, float], plain: float) -> bool:
+def _sure(c: Candidate, estimates: dict[str, float], clock: Clock) -> bool:
     """A headline mode that always runs (and is timed): one whose step is priced at most SURE
-    plain steps (native units, or fp16 through ampnb's fp16 kernels, here); a dearer one (no
-    native units, measured so) runs as it fits."""
-    return estimates.get(c.name, plain) <= SURE * plain
+    steps of the budget (native units, or fp16 through ampnb's fp16 kernels, here); a dearer one
+    (no native units, measured so) runs as it fits. A step of the budget is the plain step, or
+    its share of the floor where the floor holds (a toy model's millisecond steps)."""
+    share = clock.budget.limit(clock.plain) / (clock.budget.steps or DEFAULT_STEPS)
+    return estimates.get(c.name, clock.plain) <= SURE * max(clock.plain, share)
 
 
 def _made(setup: Setup, head: Headline, ref_cand: Candidate, c: Candidate, key: str,
@@ -291,7 +296,7 @@ def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,
     when `must` (the headline's mixed modes), those that always run are timed at least once."""
     est = {c.name: clock.plain if c is timed[0] else estimates[c.name] for c in timed}
     hand = clock.plain + clock.reserve
-    sure = {c.name for c in timed if must and _sure(c, est, clock.plain)}
+    sure = {c.name for c in timed if must and _sure(c, est, clock)}
     kept = sorted(timed[1:], key=lambda c: (c.name in sure, -est[c.name]), reverse=True)
     while kept and kept[-1].name not in sure and \
             clock.left < SAFETY * sum(est[c.name] for c in (timed[0], *kept)) + hand:

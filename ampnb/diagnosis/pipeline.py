@@ -2,7 +2,8 @@
 candidates → headline → accuracy of emulated modes → islands → training checks → details → report.
 
 Each stage takes what the one before returned. The headline answers the question (every mode
-this machine runs natively or slowly, as plain steps); the budget can cut only what follows it.
+this machine runs natively, through ampnb's fp16 kernels or slowly, as plain steps); the budget
+can cut a slow mode's step there (priced first) and what follows it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from ampnb.diagnosis.training import (
 
 
 def plan(modes: Any, device: str) -> Plan:
-    """The candidates that run here, the headline's first (mixed before true modes)."""
+    """The candidates that run here, the headline's first (mixed before true modes): native,
+    slow, and fp16 through ampnb's fp16 kernels (a mode that runs here, at about fp32's speed);
+    the emulated ones (FP8, TF32 on a CPU) after them, for their accuracy."""
     cands, skipped = candidates(modes, device)
     ref, rest = cands[0], cands[1:]
     native = [c for c in rest if c.label != "emulated"]
