@@ -41,7 +41,10 @@ unit: $(STAMP)
 # ATEN_CPU_CAPABILITY caps the kernels torch dispatches to. The suite holds on any x86 CPU.
 AVX2_TESTS := tests/test_fp16_kernels.py tests/test_kernels_override.py \
               tests/test_distributed_parity.py tests/test_device_cpu.py tests/test_compare.py \
-              tests/test_device_placement.py tests/test_magics_kernels_keep.py
+              tests/test_device_placement.py tests/test_magics_kernels_keep.py \
+              tests/test_doctor_cpu_classes.py tests/test_doctor_budget.py
+# ONEDNN_MAX_CPU_ISA caps oneDNN's kernels (bf16 matmuls, RNNs) as ATEN_CPU_CAPABILITY caps torch's.
+unit-avx2: export ONEDNN_MAX_CPU_ISA = AVX2
 unit-avx2: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
 	assert c in ('AVX2', 'DEFAULT'), c; print('unit-avx2: torch runs its', c, 'kernels')"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from collections.abc import Iterable
 
@@ -31,9 +32,25 @@ def _cpuinfo(*keys: str) -> str | None:
     return None
 
 
+# Flags of the x86 extensions that torch's and oneDNN's kernels leave unused when capped to
+# AVX2 or below (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2: a newer CPU acting as an
+# older one), with mkldnn's probes of them.
+_WIDE = ("avx512", "amx", "mkldnn_")
+
+
+def _capped() -> bool:
+    """Whether torch's or oneDNN's CPU kernels are capped below AVX512 on an x86 CPU."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if isa and not isa.startswith(("AVX512", "AVX10", "AMX", "ALL", "DEFAULT")):
+        return True
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap == "AVX2" or (cap == "DEFAULT" and platform.machine().lower() in ("x86_64", "amd64"))
+
+
 @functools.cache
 def detected_features() -> frozenset[str]:
-    """This CPU's ISA flags (from /proc/cpuinfo), plus mkldnn's probes as 'mkldnn_fp16/bf16'."""
+    """This CPU's ISA flags (from /proc/cpuinfo), plus mkldnn's probes as 'mkldnn_fp16/bf16';
+    without the AVX512/AMX ones where torch's or oneDNN's kernels are capped below them."""
     flags = set((_cpuinfo("flags", "Features") or "").split())
     mkldnn = torch.ops.mkldnn
     probe = getattr(mkldnn, "_is_mkldnn_fp16_supported", None)
@@ -42,6 +59,8 @@ def detected_features() -> frozenset[str]:
     probe = getattr(mkldnn, "_is_mkldnn_bf16_supported", None)
     if not flags and probe is not None and probe():
         flags.add("mkldnn_bf16")
+    if _capped():
+        flags = {f for f in flags if not f.startswith(_WIDE)}
     return frozenset(flags)
 
 

@@ -100,10 +100,19 @@ class Fp16KernelEmulation(KernelOverride):
 _OUT_DTYPES: dict[tuple, tuple[torch.dtype | None, ...]] = {}
 
 
+# Products whose one output has their inputs' dtype: all-fp16 inputs give fp16, known without a
+# meta kernel (the first meta call of a decomposed op imports torch's compiler: seconds).
+_SAME_DTYPE = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default,
+                         aten.baddbmm.default, aten.addbmm.default, aten.mv.default,
+                         aten.addmv.default, aten.dot.default})
+
+
 def _out_dtypes(op: Any, args: Any, kwargs: Any) -> tuple[torch.dtype | None, ...]:
     """The dtypes the native kernel would return, per output (from its meta kernel, cached per
     input dtypes); None for an output that is None."""
     key = (op, *_dtypes(args), *_dtypes(kwargs.values()))
+    if op in _SAME_DTYPE and all(d == HALF for d in key[1:]):
+        return (HALF,)
     found = _OUT_DTYPES.get(key)
     if found is None:
         try:

@@ -71,10 +71,33 @@ def _conv() -> tuple:
     return model, batch, torch.optim.AdamW(model.parameters()), nn.functional.cross_entropy
 
 
+class _GruLM(torch.nn.Module):
+    """A word-level GRU language model (2.2M parameters): embedding, two GRU layers, a head."""
+
+    def __init__(self, vocab: int = 4000, width: int = 128, hidden: int = 256) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.gru = torch.nn.GRU(width, hidden, num_layers=2, batch_first=True)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(self.emb(ids))[0]).flatten(0, 1)
+
+
+def _gru_lm() -> tuple:
+    # oneDNN has no bf16 RNN on an AVX2 CPU, and its steps are short: the budget's floor shows.
+    torch.manual_seed(0)
+    model = _GruLM()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 4000, (8, 65), generator=g)
+    batch = (ids[:, :-1], ids[:, 1:].reshape(-1))
+    return model, batch, torch.optim.AdamW(model.parameters()), torch.nn.functional.cross_entropy
+
+
 # name -> () -> (model, batch, optimizer, loss_fn or None: the model's own loss)
 MODELS: dict[str, Callable[[], tuple]] = {
     "tiny": _tiny, "demo-gpt": _demo_gpt, "gpt2-5M": _gpt2_5m, "gpt2-17M": _gpt2_17m,
-    "conv": _conv}
+    "conv": _conv, "gru-lm": _gru_lm}
 
 
 @dataclass(frozen=True)
@@ -100,6 +123,7 @@ class Measurement:
     budget: str = ""      # the report's line on its budget and what it spent
     most_time: str = ""   # the doctor's three longest stages
     speeds: str = ""      # each mode's measured speed against 32-true, as the report gives it
+    fp16: str = ""        # what the report says of 16-mixed: how it ran, or why it did not
 
 
 def command(kind: str, model: str, threads: int) -> list[str]:
@@ -122,9 +146,11 @@ def parse(output: str) -> Measurement:
     return Measurement(**json.loads(lines[-1][len(MARK):]))
 
 
-def measure(kind: str, model: str, threads: int, timeout: float = 900.0) -> Measurement:
-    """Run one measurement in a fresh process and return what it printed."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def measure(kind: str, model: str, threads: int, timeout: float = 900.0,
+            env: dict[str, str] | None = None) -> Measurement:
+    """Run one measurement in a fresh process (with `env` added to its variables) and return
+    what it printed."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(command(kind, model, threads), capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=root)
@@ -219,7 +245,18 @@ def child(kind: str, model_name: str, threads: int) -> Measurement:
                        step_low=quartiles[0], step_high=quartiles[2], import_seconds=imported,
                        headline=report.recommended.headline, not_fit=_short(getattr(report, _NOT_FIT, ())),
                        budget=_said(report, _BUDGET).split("; order")[0],
-                       most_time=phases.top(), speeds=_speeds(report))
+                       most_time=phases.top(), speeds=_speeds(report), fp16=_fp16(report))
+
+
+def _fp16(report: Any) -> str:
+    """'16-mixed: fp16 kernels, inf/NaN, islands up' or '16-mixed: not run: ...'."""
+    row = report.mode("16-mixed")
+    if not getattr(row, "ran", True):
+        return f"16-mixed: {row.how[:160]}"
+    kept = [r.label for r in report.modes if r.name == "16-mixed" and r.keep_fp32]
+    return (f"16-mixed: examined ({row.how.split(':')[0]}), "
+            + ("finite" if row.finite else f"inf/NaN at {row.nonfinite_module or 'a module'}")
+            + (f", verified {'; '.join(kept)}" if kept else ""))
 
 
 def _speeds(report: Any) -> str:

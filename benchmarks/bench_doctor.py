@@ -26,7 +26,11 @@ NOISY = 1.5
 ATTEMPTS = 2        # doctor processes per set-up at most, while its time row cannot be judged
 # (model, label, thread counts)
 CASES = (("gpt2-5M", "GPT-2 5M", (1, 2)), ("gpt2-17M", "GPT-2 17M", (1, 2)),
-         ("conv", "a conv net (fp16 convolutions)", (2,)))
+         ("conv", "a conv net (fp16 convolutions)", (2,)), ("gru-lm", "a GRU LM", (2,)))
+# The AVX2-only class (no AVX512, no native bf16 or fp16), as any x86 CPU acts it: torch's and
+# oneDNN's kernels capped, which ampnb's feature detection follows.
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_LABEL = "as an AVX2-only CPU (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2)"
 
 
 def _threads(n: int) -> str:
@@ -50,6 +54,7 @@ def doctor_rows(label: str, train: Measurement, doc: Measurement) -> list[Result
     memory = doc.peak_mib / train.peak_mib
     said = "".join([f"; recommended {doc.headline}",
                     f"; measured: {doc.speeds}" if doc.speeds else "; measured: no speed",
+                    f"; {doc.fp16}" if doc.fp16 else "",
                     f"; did not fit: {doc.not_fit}" if doc.not_fit else "",
                     f"; {doc.budget}" if doc.budget else ""])
     return [
@@ -87,11 +92,14 @@ def run() -> list[Result]:
     from benchmarks.results import machine
 
     results = []
-    for model, label, counts in CASES:
+    cases = [(m, label, counts, None) for m, label, counts in CASES]
+    cases += [(m, f"{label} {AVX2_LABEL}", (2,), AVX2) for m, label, _ in CASES]
+    for model, label, counts, env in cases:
         for n in counts:
             try:
-                train = measure("train", model, n)
-                results += judged_rows(label, train, lambda: measure("doctor", model, n))  # noqa: B023
+                train = measure("train", model, n, env=env)
+                results += judged_rows(label, train,
+                                       lambda: measure("doctor", model, n, env=env))  # noqa: B023
             except Exception as e:  # noqa: BLE001 - one failed set-up must not hide the others
                 results.append(_failed(f"doctor on {label}, {_threads(n)}", e))
     try:

@@ -230,3 +230,31 @@ class Fp32Embedding(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = torch.arange(16, dtype=torch.float32).expand(x.shape[0], 16)
         return nn.functional.linear(x + t, self.lin.weight, self.lin.bias)
+
+
+# CPU classes by their /proc/cpuinfo flags, injected with `cpu_features_as` (speed is not tested
+# by injection: a class's slowness is planted in the model instead, as in SleepyOverflow).
+CPU_CLASSES = {
+    "avx2": frozenset({"avx", "avx2", "fma", "f16c"}),
+    "avx512-bf16": frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16"}),
+    "amx-fp16": frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16",
+                           "amx_bf16", "amx_fp16"}),
+}
+
+
+class SleepyOverflow(ForwardOverflow):
+    """ForwardOverflow whose forward takes `per_sample` seconds a sample, `bf16_slowdown` times
+    that under bf16 autocast (an AVX2 CPU's bf16, planted): plain steps long and steady enough
+    for the doctor's budget to be counted in them on any CPU, however loaded."""
+
+    def __init__(self, per_sample: float = 0.5 / 64, bf16_slowdown: float = 8.0) -> None:
+        super().__init__()
+        self.per_sample, self.bf16_slowdown = per_sample, bf16_slowdown
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        h = torch.relu(self.inp(x))
+        slow = self.bf16_slowdown if h.dtype == torch.bfloat16 else 1.0
+        time.sleep(self.per_sample * slow * x.shape[0])
+        return self.head(self.norm(self.up(h)))

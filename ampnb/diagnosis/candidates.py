@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ampnb.cpu import cpu_native
 from ampnb.device import support, tf32_context
 from ampnb.fp16_kernels import Fp16Kernels, emulates_fp16
 from ampnb.modes import PrecisionMode, get_mode
@@ -15,6 +16,7 @@ from ampnb.modes import PrecisionMode, get_mode
 REFERENCE = "32-true"
 TF32 = "32-true+tf32"
 DEFAULT = (REFERENCE, TF32, "bf16-mixed", "16-mixed", "bf16-true", "16-true", "transformer-engine")
+FP16_KERNELS = "fp16 kernels"  # how fp16 runs on a CPU without fp16 units: a mode that runs here
 
 
 @dataclass(frozen=True)
@@ -25,13 +27,16 @@ class Candidate:
     mode: PrecisionMode
     tf32: str | None            # None, "on" or "emulate"
     native: bool
-    how: str                    # "native", or why not: "slow: ...", "emulated: ..."
+    how: str                    # "native", or how: "slow: ...", "fp16 kernels: ...", "emulated: ..."
     fp16_kernels: bool = False  # fp16 products run as fp32 kernels rounded once (CPU)
 
     @property
     def label(self) -> str:
-        """'native', 'slow', 'emulated' (the first word of how)."""
-        return self.how.split(":")[0].split(" ")[0] if not self.native else "native"
+        """'native', 'slow', 'fp16 kernels' (runs here at about fp32's speed) or 'emulated'
+        (FP8, TF32 on a CPU: accuracy only)."""
+        if self.native:
+            return "native"
+        return FP16_KERNELS if self.fp16_kernels else self.how.split(":")[0].split(" ")[0]
 
     def context(self, device: str) -> contextlib.ExitStack:
         """TF32 and fp16-kernel settings for a run of this candidate (forward and backward)."""
@@ -50,16 +55,30 @@ def _tf32_candidate(device: str) -> Candidate:
                      f"emulated: inputs of matmuls rounded to TF32 ({found.reason})")
 
 
+def _fp16_kernels_candidate(mode: PrecisionMode, device: str) -> Candidate | None:
+    """An fp16 mode on a CPU through ampnb's fp16 kernels: the products as fp32-accumulating
+    tensor cores compute them, at about fp32's speed (no probe of torch's slow fallback here:
+    the doctor measures this mode's own step)."""
+    found = mode.availability(device)
+    if not found.ok:
+        return None
+    why = "fp16_kernels='emulated'" if cpu_native("fp16") else "no native fp16 units on this CPU"
+    return Candidate(mode.name, mode, None, False,
+                     f"{FP16_KERNELS}: fp32 products of fp16-rounded inputs, rounded once to fp16 "
+                     f"(as tensor cores compute; {why})" + (f"; {found.reason}" if found.reason
+                                                             else ""), fp16_kernels=True)
+
+
 def candidate(name: str, device: str) -> Candidate | None:
     """The candidate for a mode name on a device, or None when the mode cannot run there."""
     if name == TF32:
         return _tf32_candidate(device)
     mode = get_mode(name)
+    if mode.compute_dtype == torch.float16 and emulates_fp16(device):
+        return _fp16_kernels_candidate(mode, device)
     found = support(mode, device)
     if not found.ok:
         return None
-    if mode.compute_dtype == torch.float16 and emulates_fp16(device):
-        return Candidate(mode.name, mode, None, False, found.reason, fp16_kernels=True)
     return Candidate(mode.name, mode, None, found.native, "native" if found.native else found.reason)
 
 

@@ -47,6 +47,14 @@ class ModeRow:
     measurable: bool = False          # the spreads do not overlap: faster or slower for sure
     noise: float | None = None        # 32-true's step-to-step variation measured here
     timed: int = 0                    # timed steps behind the ratio (each mode)
+    ran: bool = True                  # False: a row for a mode that did not run (how says why)
+
+    @classmethod
+    def not_run(cls, name: str, why: str, keep: tuple[str, ...] = ()) -> ModeRow:
+        """The row of a mode that did not run: no figures, `how` 'not run: <why>'."""
+        nan = math.nan
+        return cls(name, f"not run: {why}", False, keep, None, None, 0, 0, 0, 0, nan, nan, nan,
+                   False, "", "", "", None, 0, "", None, ran=False)
 
     @property
     def speed(self) -> str:

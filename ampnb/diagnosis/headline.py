@@ -1,9 +1,12 @@
-"""The doctor's headline: every mode this machine runs natively or slowly, as plain steps.
+"""The doctor's headline: every mode this machine runs natively, through ampnb's fp16 kernels or
+slowly, as plain steps.
 
-Each mode's first step starts from the snapshot and gives its loss and gradient errors against
-32-true's (no per-module instruments); then the modes step round-robin on their working copies
-and those steps give the speeds. The budget cannot drop this stage: a mode is left out only when
-one of its steps, measured here beforehand, is larger than the whole budget.
+Each mode's step is first priced by its forward on a slice of the batch; then the modes take
+their first steps, cheapest first, from the snapshot: each gives its loss and gradient errors
+against 32-true's (no per-module instruments); then the finite ones step round-robin on their
+working copies and those steps give the speeds. A mode priced at most SURE plain steps always
+runs (unless one step is over the whole budget); a dearer one runs only as it fits, after the
+islands of a cheaper mode that broke, and the report says what it would have cost.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import torch
 from torch import nn
 
 from ampnb.device import sync
-from ampnb.diagnosis.budget import Clock
+from ampnb.diagnosis.budget import DEFAULT_STEPS, SAFETY, Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
-from ampnb.diagnosis.cost import SLICE, ratios, sliced
+from ampnb.diagnosis.cost import ratios, sliced
 from ampnb.diagnosis.run import (
     MIN_SCALE,
     Setup,
@@ -39,6 +42,8 @@ from ampnb.modes import get_mode
 from ampnb.step import forward_loss
 
 UNIT_STEPS = 2  # plain 32-true steps after its first: the budget's unit, and the noise
+ISLANDS_STEPS = 5.0  # plain steps kept for a broken mixed mode's islands before later work
+SURE = 2.0  # a mixed mode priced at most this many steps of the budget always runs in the headline
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,7 +86,8 @@ def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.O
             out = _step(net, opt, setup, cand, scaler, grads)
             sync(setup.device)
             seconds = time.perf_counter() - t0
-        if grads.finite or not out.skipped or scaler is None:
+        # an inf/NaN loss is no gradient overflow: no loss scale helps it, so no step is retried
+        if grads.finite or not out.skipped or scaler is None or not torch.isfinite(out.loss).all():
             break
         if float(scaler.get_scale()) < MIN_SCALE or not clock.fits(
                 seconds, f"{cand.name}: another step at half the loss scale"):
@@ -146,19 +152,34 @@ def headline(setup: Setup, ref_cand: Candidate, cands: Sequence[Candidate], cloc
     copies: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {"fp32": (net, opt)}
     mixed = [c for c in cands if keeps_model(c)]
     head, scalers = _first_steps(head, ref_cand, mixed, copies, clock, say, must=True)
-    times = _rounds(setup, [ref_cand, *(c for c in mixed if c.name in head.runs)], copies,
-                    scalers, head.estimates, clock, repeat, say, must=True)
+    times = _rounds(setup, [ref_cand, *_finite(head, mixed)], copies, scalers, head.estimates,
+                    clock, repeat, say, must=True)
     # true modes convert the model (a copy of their own) and are recommended only after a
-    # multi-step check: their step, then their timing, as the budget allows
+    # multi-step check: their step, then their timing, as the budget allows, with the islands of
+    # a mixed mode that broke kept in hand (they come first in the budget's order)
     true = [c for c in cands if not keeps_model(c)]
-    head, more = _first_steps(head, ref_cand, true, copies, clock, say, must=False)
-    later = _rounds(setup, [ref_cand, *(c for c in true if c.name in head.runs)], copies,
-                    more, head.estimates, clock, repeat, say, must=False)
+    with clock.held(islands_hold(head, mixed, clock)):
+        head, more = _first_steps(head, ref_cand, true, copies, clock, say, must=False)
+        later = _rounds(setup, [ref_cand, *_finite(head, true)], copies, more, head.estimates,
+                        clock, repeat, say, must=False)
     beside = {n: times.get(ref_cand.name, []) for n in times}
     beside.update({n: later.get(ref_cand.name, []) for n in later})
     times.update({n: t for n, t in later.items() if n != ref_cand.name})
     return dataclasses.replace(head, times=times, beside=beside,
                                noise=_noise(unit + times.get(ref_cand.name, [])))
+
+
+def islands_hold(head: Headline, cands: Sequence[Candidate], clock: Clock) -> float:
+    """Seconds to keep for the islands of the candidates whose first step made inf/NaN: the
+    instrumented reference, the broken mode's instrumented step and hunt, one verifying rerun."""
+    broken = [c for c in cands if c.name in head.runs and not head.runs[c.name].finite]
+    return ISLANDS_STEPS * clock.plain if broken else 0.0
+
+
+def _finite(head: Headline, cands: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates whose first step ran and was finite: the ones worth timing (a mode that
+    made inf/NaN is not recommended as it is; its islands are timed with them)."""
+    return [c for c in cands if c.name in head.runs and head.runs[c.name].finite]
 
 
 def later_steps(head: Headline, cands: Sequence[Candidate], clock: Clock,
@@ -174,13 +195,13 @@ def later_steps(head: Headline, cands: Sequence[Candidate], clock: Clock,
 def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate], copies: dict,
                  clock: Clock, say: Callable[[str], None], *, must: bool
                  ) -> tuple[Headline, dict[str, torch.amp.GradScaler | None]]:
-    """Each candidate's cost, probed on its working copy, then its first step: always when
-    `must` (the headline) unless one step is larger than the whole budget, else as it fits."""
+    """Each candidate's cost, probed on its working copy before any of them steps, then their
+    first steps, cheapest first, each as it fits what is left (`must`, the headline: the copies
+    are made without asking); a step larger than the whole budget is never started."""
     setup, plain = head.setup, clock.plain
     estimates = dict(head.estimates)
-    runs, too_large, failed = dict(head.runs), list(head.too_large), list(head.failed)
-    scalers: dict[str, torch.amp.GradScaler | None] = {}
-    limit = clock.budget.limit(plain)
+    too_large, failed = list(head.too_large), list(head.failed)
+    priced = []
     for c in cands:
         key = "fp32" if keeps_model(c) else c.name
         # a copy of its own costs about what the fp32 working copy did: not started without room
@@ -188,18 +209,16 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
         if not must and not clock.fits(plain + len(missing) * head.copy_seconds,
                                        f"{c.name}: its step"):
             continue
-        if "fp32" not in copies:  # the probe's 32-true forward runs on it
-            copies["fp32"] = _copy(setup, ref_cand)
-        if key not in copies:
-            need = _copy_bytes(head.ref, c)
-            if setup.cap is not None and not setup.cap.fits(need):
-                clock.skip(f"{c.name}: its step", f"its converted copy {setup.cap.why(need)}")
-                continue
-            copies[key] = _copy(setup, c)
-        found = ratios((ref_cand, copies["fp32"][0]), [(c, copies[key][0])], setup.batch,
-                       setup.loss_fn, setup.device, stop=limit / SLICE) \
-            if setup.step is None else {}
-        estimates[c.name] = plain * found.get(c.name, 1.0)
+        if _made(setup, head, ref_cand, c, key, copies, clock):
+            priced.append((c, key))
+    # one probe for all: their sliced forwards interleaved with one series of 32-true's
+    found = _probe(setup, (ref_cand, copies["fp32"][0]) if copies else None,
+                   [(c, copies[key][0]) for c, key in priced], plain)
+    estimates.update({c.name: plain * found.get(c.name, 1.0) for c, _ in priced})
+    runs = dict(head.runs)
+    scalers: dict[str, torch.amp.GradScaler | None] = {}
+    limit = clock.budget.limit(plain)
+    for c, key in sorted(priced, key=lambda ck: estimates[ck[0].name]):
         what = f"{c.name}: its step"
         if estimates[c.name] > limit:
             too_large.append(c.name)
@@ -207,7 +226,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
                        "(its forward on a slice of the batch, measured), more than the whole "
                        "budget")
             continue
-        if not must and not clock.fits(estimates[c.name], what):
+        if not (must and _sure(c, estimates, clock)) and not _fits(c, runs, estimates, clock):
             continue
         reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
@@ -225,21 +244,72 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
                                failed=tuple(failed)), scalers
 
 
+def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float], clock: Clock
+          ) -> bool:
+    """Whether a candidate's priced step fits, with the islands of a mode that broke before it
+    kept in hand (cheaper modes step first: an fp16 overflow's islands come before a slow mode)."""
+    broken = any(not r.finite for r in runs.values())
+    with clock.held(ISLANDS_STEPS * clock.plain if broken else 0.0):
+        return clock.fits(estimates[c.name], f"{c.name}: its step, priced by its forward on a "
+                                             "slice of the batch")
+
+
+def _sure(c: Candidate, estimates: dict[str, float], clock: Clock) -> bool:
+    """A headline mode that always runs (and is timed): one whose step is priced at most SURE
+    steps of the budget (native units, or fp16 through ampnb's fp16 kernels, here); a dearer one
+    (no native units, measured so) runs as it fits. A step of the budget is the plain step, or
+    its share of the floor where the floor holds (a toy model's millisecond steps)."""
+    share = clock.budget.limit(clock.plain) / (clock.budget.steps or DEFAULT_STEPS)
+    return estimates.get(c.name, clock.plain) <= SURE * max(clock.plain, share)
+
+
+def _made(setup: Setup, head: Headline, ref_cand: Candidate, c: Candidate, key: str,
+          copies: dict, clock: Clock) -> bool:
+    """The fp32 working copy (the probe's 32-true forward runs on it) and the candidate's own,
+    made where missing; False when its converted copy would pass the memory cap (said so)."""
+    if "fp32" not in copies:
+        copies["fp32"] = _copy(setup, ref_cand)
+    if key not in copies:
+        need = _copy_bytes(head.ref, c)
+        if setup.cap is not None and not setup.cap.fits(need):
+            clock.skip(f"{c.name}: its step", f"its converted copy {setup.cap.why(need)}")
+            return False
+        copies[key] = _copy(setup, c)
+    return True
+
+
+def _probe(setup: Setup, ref: tuple[Candidate, nn.Module] | None,
+           cands: list[tuple[Candidate, nn.Module]], plain: float) -> dict[str, float]:
+    """Each candidate's step over a plain step, from its forward on a slice of the batch against
+    32-true's (none for a cell's code, which has no batch to slice: 1.0 is assumed). One sliced
+    forward slower than a whole plain step has said enough: that mode's probe stops there."""
+    if setup.step is not None or ref is None or not cands:
+        return {}
+    return ratios(ref, cands, setup.batch, setup.loss_fn, setup.device, stop=plain)
+
+
 def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,
             estimates: dict[str, float], clock: Clock, repeat: int,
             say: Callable[[str], None], *, must: bool) -> dict[str, list[float]]:
-    """Up to `repeat` round-robin rounds, as many as the budget holds; at least one when `must`
-    (32-true and the mixed modes: the verdict's speeds)."""
+    """Up to `repeat` round-robin rounds, as many as the budget holds, of 32-true and the modes
+    whose steps fit in one round beside it (the dearest left out first, with its cost said);
+    when `must` (the headline's mixed modes), those that always run are timed at least once."""
+    est = {c.name: clock.plain if c is timed[0] else estimates[c.name] for c in timed}
+    hand = clock.plain + clock.reserve
+    sure = {c.name for c in timed if must and _sure(c, est, clock)}
+    kept = sorted(timed[1:], key=lambda c: (c.name in sure, -est[c.name]), reverse=True)
+    while kept and kept[-1].name not in sure and \
+            clock.left < SAFETY * sum(est[c.name] for c in (timed[0], *kept)) + hand:
+        c = kept.pop()
+        clock.skip(f"timing {c.name} beside 32-true", f"about {est[c.name] / clock.plain:.1f} "
+                   "plain steps a round; its errors are from its first step")
+    timed = [timed[0], *(c for c in timed[1:] if c in kept)]
     if len(timed) < 2:
         return {}
-    est = {c.name: clock.plain if c is timed[0] else estimates[c.name] for c in timed}
+    total = sum(est[c.name] for c in timed)
     rounds = repeat
-    while rounds > 1 and clock.left < 1.25 * rounds * sum(est.values()):
+    while rounds > 1 and clock.left < SAFETY * rounds * total + hand:
         rounds -= 1
-    if not must and clock.left < 1.25 * sum(est.values()):
-        for c in timed[1:]:
-            clock.skip(f"timing {c.name}")
-        return {}
     if rounds < repeat:
         which = f"{rounds + 1}" if rounds + 1 == repeat else f"{rounds + 1}-{repeat}"
         clock.skip(f"timed step{'s' if rounds + 1 < repeat else ''} {which} of "

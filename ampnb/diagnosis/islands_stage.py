@@ -32,15 +32,17 @@ class Islands:
     runs: dict[str, StepResult] = field(default_factory=dict)
 
 
-def instrumented_cost(head: Headline, ref: StepResult | None, name: str, clock: Clock) -> float:
+def instrumented_cost(head: Headline, ref: StepResult | None, name: str, clock: Clock,
+                      hunt: bool = True) -> float:
     """An instrumented step of a mode: its plain first step times the instruments' overhead
-    measured on the reference (twice the plain step before the reference has run)."""
+    measured on the reference (twice the plain step before the reference has run), and the
+    hunter's step where its first step made inf/NaN and `hunt`."""
     run = head.runs.get(name)
     timed = head.times.get(name)
     plain = clock.plain if name == REFERENCE else statistics.median(timed) if timed else (
         run.seconds if run is not None and math.isfinite(run.seconds) else clock.plain)
     over = ref.seconds / head.ref.seconds if ref is not None and head.ref.seconds > 0 else 2.0
-    return plain * over * (1 if run is None or run.finite else 2)  # + the hunter's step
+    return plain * over * (1 if run is None or run.finite or not hunt else 2)
 
 
 def reference(setup: Setup, head: Headline, cand: Candidate, clock: Clock, say: Any,
@@ -112,7 +114,8 @@ def _search(setup: Setup, p: Plan, head: Headline, isl: Islands, cand: Candidate
         kept[keep] = measure(setup, cand, keep, ref=ref)
         return mode_row(cand, kept[keep], ref, None, None, keep)
 
-    each = max(instrumented_cost(head, ref, cand.name, clock), 1e-3)
+    # a rerun with islands is hunted only where it still makes inf/NaN: priced without the hunt
+    each = max(instrumented_cost(head, ref, cand.name, clock, hunt=False), 1e-3)
     reruns = None if math.isinf(clock.left) else max(0, int(clock.left // (1.25 * each)))
     notes: list[str] = []
     fixed = islands(row, layers, s.tol, rerun, max_reruns=reruns, notes=notes)

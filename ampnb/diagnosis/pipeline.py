@@ -2,7 +2,8 @@
 candidates → headline → accuracy of emulated modes → islands → training checks → details → report.
 
 Each stage takes what the one before returned. The headline answers the question (every mode
-this machine runs natively or slowly, as plain steps); the budget can cut only what follows it.
+this machine runs natively, through ampnb's fp16 kernels or slowly, as plain steps); the budget
+can cut a slow mode's step there (priced first) and what follows it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ampnb.diagnosis.code import code
 from ampnb.diagnosis.details import Details, details
 from ampnb.diagnosis.evidence import ModeRow, acceptable, mode_row
 from ampnb.diagnosis.failures import expected
-from ampnb.diagnosis.headline import Headline, headline, later_steps
+from ampnb.diagnosis.headline import Headline, headline, islands_hold, later_steps
 from ampnb.diagnosis.islands_stage import Islands, islands_stage
 from ampnb.diagnosis.recommend import choose
 from ampnb.diagnosis.records import Checks, Plan, Settings
@@ -34,7 +35,9 @@ from ampnb.diagnosis.training import (
 
 
 def plan(modes: Any, device: str) -> Plan:
-    """The candidates that run here, the headline's first (mixed before true modes)."""
+    """The candidates that run here, the headline's first (mixed before true modes): native,
+    slow, and fp16 through ampnb's fp16 kernels (a mode that runs here, at about fp32's speed);
+    the emulated ones (FP8, TF32 on a CPU) after them, for their accuracy."""
     cands, skipped = candidates(modes, device)
     ref, rest = cands[0], cands[1:]
     native = [c for c in rest if c.label != "emulated"]
@@ -105,7 +108,8 @@ def report(setup: Setup, p: Plan, head: Headline, found: list[ModeRow], isl: Isl
     return DoctorReport(setup.device, rec, elsewhere, tuple(every), more.layers, grads,
                         more.profiles, (*p.skipped, *head.failed), more.fp64, notes, s.tol,
                         torch.get_num_threads(), s.repeat, tuple(clock.left_out),
-                        clock.summary(), checks.checks, noise=head.noise)
+                        clock.summary(), checks.checks, noise=head.noise,
+                        planned=tuple(c.name for c in (p.reference, *p.headline, *p.emulated)))
 
 
 def diagnose(setup: Setup, p: Plan, s: Settings, clock: Clock,
@@ -116,7 +120,8 @@ def diagnose(setup: Setup, p: Plan, s: Settings, clock: Clock,
     if not head.ref.finite:
         raise _reference_failed(head.setup, p)
     setup = head.setup  # from here on: the modules that draw random numbers kept from drawing
-    head = later_steps(head, p.emulated, clock, s.say)
+    with clock.held(islands_hold(head, p.headline, clock)):
+        head = later_steps(head, p.emulated, clock, s.say)
     found = rows(p, head, {})
     isl = islands_stage(setup, p, head, found, s, clock)
     checks = checks_stage(setup, p, found + list(isl.rows), s, clock)

@@ -353,6 +353,17 @@ def _tie_reason(bf16: ModeRow, fp16: ModeRow) -> str:
             "fp32's range, as PyTorch's and Lightning's docs advise where bf16 runs natively")
 
 
+def _fp16_islands(row: ModeRow, rows: list[ModeRow], tol: Tolerance) -> list[str]:
+    """For another low-precision choice: 16-mixed's verified fp32 islands, where they were found
+    (where fp16 has native units, the mode to run with them)."""
+    if row.name == "16-mixed" or row.name not in PREFERENCE:
+        return []
+    return [f"{r.label}: also within tolerance (loss error {r.loss_error:.1e}, gradient error "
+            f"{r.grad_error:.1e}, no inf/NaN), verified with these modules in fp32"
+            for r in rows if r.name == "16-mixed" and r.keep_fp32 and acceptable(r, tol.loss,
+                                                                                  tol.grad)][:1]
+
+
 def _make(row: ModeRow, ref: ModeRow, rows: list[ModeRow], tol: Tolerance,
           code: Callable[[str, tuple[str, ...], bool], str], rejected: list[str] = (),
           checks: Mapping[str, TrainCheck] | None = None) -> Recommendation:
@@ -363,6 +374,7 @@ def _make(row: ModeRow, ref: ModeRow, rows: list[ModeRow], tol: Tolerance,
                f"{tol.grad:g}, no inf/NaN",
                f"memory {format_bytes(row.memory_bytes)} vs {format_bytes(ref.memory_bytes)} in "
                "32-true (parameters, gradients, optimizer state, saved for backward)"]
+    reasons[1:1] = _fp16_islands(row, rows, tol)
     before = None
     if row.keep_fp32:
         before = next(r for r in rows if r.name == row.name and not r.keep_fp32)

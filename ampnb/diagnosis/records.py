@@ -12,7 +12,8 @@ from ampnb.diagnosis.tolerance import Tolerance
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """The candidates stage: the reference, the modes timed in the headline (native or slow),
+    """The candidates stage: the reference, the modes timed in the headline (native, slow, or
+    fp16 through ampnb's fp16 kernels),
     the emulated ones (accuracy only: their speed here says nothing), and those that cannot run."""
 
     reference: Candidate

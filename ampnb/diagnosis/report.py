@@ -7,11 +7,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ampnb.diagnosis.candidates import TF32
 from ampnb.diagnosis.evidence import ModeRow
 from ampnb.diagnosis.layers import LayerRow
 from ampnb.diagnosis.profile import Profile
 from ampnb.diagnosis.recommend import Recommendation, Tolerance
 from ampnb.display import Table, format_bytes, format_percent, format_seconds
+from ampnb.modes import get_mode
 
 
 def _err(x: float) -> str:
@@ -53,13 +55,28 @@ class DoctorReport:
     checks: dict[str, Any] = field(default_factory=dict)  # true mode -> its multi-step TrainCheck
     noise: float | None = None       # 32-true's step-to-step variation, measured in this run
     device_why: str = "where the model's parameters are"  # why the doctor ran on `device`
+    planned: tuple[str, ...] = ()    # the modes asked for that can run here, the reference first
 
     def mode(self, name: str, keep: tuple[str, ...] = ()) -> ModeRow:
-        """The row of a candidate (with given islands)."""
+        """The row of a candidate (with given islands); for one that did not run, a row whose
+        `how` says why ('not run: ...', `.ran` False). An unknown mode name is a ValueError."""
+        name = name if name == TF32 else get_mode(name).name
         for r in self.modes:
             if r.name == name and r.keep_fp32 == tuple(keep):
                 return r
-        raise ValueError(f"mode {name!r} was not run; run: {', '.join(r.label for r in self.modes)}")
+        return ModeRow.not_run(name, self._why_not_run(name, tuple(keep)), tuple(keep))
+
+    def _why_not_run(self, name: str, keep: tuple[str, ...]) -> str:
+        if keep and any(r.name == name for r in self.modes):
+            found = [r.label for r in self.modes if r.name == name and r.keep_fp32]
+            return (f"no island ({', '.join(keep)}) was verified for {name}; verified: "
+                    f"{', '.join(found) or 'none'}")
+        said = [x for x in (*self.left_out, *self.skipped) if x.startswith(f"{name}: ")]
+        if said:
+            return "; ".join(said)
+        if self.planned and name not in self.planned:
+            return f"not asked for (modes: {', '.join(self.planned)})"
+        return "not examined (see left_out)"
 
     @property
     def timing(self) -> str:
