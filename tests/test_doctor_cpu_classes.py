@@ -144,3 +144,26 @@ def test_the_advice_for_elsewhere_names_16_mixeds_islands():
     assert low.mode == "bf16-mixed"
     line = next(x for x in low.reasons if x.startswith("16-mixed + keep_fp32(up)"))
     assert line in repr(r)
+
+
+def test_later_modes_probes_leave_a_broken_modes_islands_their_time(monkeypatch):
+    """A true mode is priced by forwards on a slice; those forwards are work too. Once a mixed
+    mode broke, they run only where they fit beside the time held for its islands: the islands
+    stage starts with that time left (bf16 7x slower, planted: a probe forward of bf16-true just
+    under a plain step, so three of them used to run before the islands)."""
+    from ampnb.diagnosis import pipeline
+    from ampnb.diagnosis.headline import ISLANDS_STEPS
+
+    seen = {}
+    stage = pipeline.islands_stage
+
+    def spy(setup, p, head, found, s, clock):
+        seen["left"] = clock.left / clock.plain
+        return stage(setup, p, head, found, s, clock)
+
+    monkeypatch.setattr(pipeline, "islands_stage", spy)
+    monkeypatch.setattr(budget, "MIN_SECONDS", 1.0)
+    with cpu_features_as(CPU_CLASSES["avx2"]):
+        r = ampnb.doctor(SleepyOverflow(bf16_slowdown=7.0), data(64), CE, profile=False)
+    assert seen["left"] >= ISLANDS_STEPS, (seen, r.left_out)
+    assert r.mode("16-mixed").nonfinite_module == "up" and r.mode("16-mixed", ("up",)).finite

@@ -22,7 +22,7 @@ from torch import nn
 from ampnb.device import sync
 from ampnb.diagnosis.budget import DEFAULT_STEPS, SAFETY, Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
-from ampnb.diagnosis.cost import ratios, sliced
+from ampnb.diagnosis.cost import ROUNDS, ratios, sliced
 from ampnb.diagnosis.run import (
     MIN_SCALE,
     Setup,
@@ -202,15 +202,18 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
     estimates = dict(head.estimates)
     too_large, failed = list(head.too_large), list(head.failed)
     priced = []
+    probing = 0.0  # what the probes of the candidates priced so far may cost
     for c in cands:
         key = "fp32" if keeps_model(c) else c.name
-        # a copy of its own costs about what the fp32 working copy did: not started without room
-        missing = {"fp32", key} - set(copies)
-        if not must and not clock.fits(plain + len(missing) * head.copy_seconds,
-                                       f"{c.name}: its step"):
+        # a copy of its own costs about what the fp32 working copy did, and its probe about a
+        # plain step at most: neither is started without room for them and its step (the probes
+        # are work too: they must not eat the time held for a broken mode's islands)
+        made = len({"fp32", key} - set(copies)) * head.copy_seconds
+        if not must and not clock.fits(probing + made + 2 * plain, f"{c.name}: its step"):
             continue
         if _made(setup, head, ref_cand, c, key, copies, clock):
             priced.append((c, key))
+            probing += made + plain
     # one probe for all: their sliced forwards interleaved with one series of 32-true's
     found = _probe(setup, (ref_cand, copies["fp32"][0]) if copies else None,
                    [(c, copies[key][0]) for c, key in priced], plain)
@@ -282,10 +285,11 @@ def _probe(setup: Setup, ref: tuple[Candidate, nn.Module] | None,
            cands: list[tuple[Candidate, nn.Module]], plain: float) -> dict[str, float]:
     """Each candidate's step over a plain step, from its forward on a slice of the batch against
     32-true's (none for a cell's code, which has no batch to slice: 1.0 is assumed). One sliced
-    forward slower than a whole plain step has said enough: that mode's probe stops there."""
+    forward slower than a share of a plain step has said enough (a mode at least about eight
+    times slower): that mode's probe stops there, so that it costs about a plain step at most."""
     if setup.step is not None or ref is None or not cands:
         return {}
-    return ratios(ref, cands, setup.batch, setup.loss_fn, setup.device, stop=plain)
+    return ratios(ref, cands, setup.batch, setup.loss_fn, setup.device, stop=plain / (ROUNDS + 1))
 
 
 def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,
