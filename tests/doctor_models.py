@@ -242,19 +242,38 @@ CPU_CLASSES = {
 }
 
 
-class SleepyOverflow(ForwardOverflow):
-    """ForwardOverflow whose forward takes `per_sample` seconds a sample, `bf16_slowdown` times
-    that under bf16 autocast (an AVX2 CPU's bf16, planted): plain steps long and steady enough
-    for the doctor's budget to be counted in them on any CPU, however loaded."""
+SLEPT: dict[torch.dtype, float] = {}  # seconds slept by Nap, by the dtype it was handed
 
-    def __init__(self, per_sample: float = 0.5 / 64, bf16_slowdown: float = 8.0) -> None:
-        super().__init__()
-        self.per_sample, self.bf16_slowdown = per_sample, bf16_slowdown
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+class Nap(nn.Module):
+    """Sleeps the seconds it is given, counted in SLEPT: a piece of a planted slow forward."""
+
+    def forward(self, h: torch.Tensor, seconds: float) -> torch.Tensor:
         import time
 
+        time.sleep(seconds)
+        SLEPT[h.dtype] = SLEPT.get(h.dtype, 0.0) + seconds
+        return h
+
+
+class SleepyOverflow(ForwardOverflow):
+    """ForwardOverflow whose forward takes `per_sample` seconds a sample, `bf16_slowdown` times
+    that under bf16 autocast (an AVX2 CPU's bf16, planted), slept in `pieces` naps: plain steps
+    long and steady enough for the doctor's budget to be counted in them on any CPU, however
+    loaded. `overflow=False`: the same model without the plant."""
+
+    def __init__(self, per_sample: float = 0.5 / 64, bf16_slowdown: float = 8.0,
+                 overflow: bool = True, pieces: int = 1) -> None:
+        super().__init__()
+        self.per_sample, self.bf16_slowdown, self.pieces = per_sample, bf16_slowdown, pieces
+        self.nap = Nap()
+        if not overflow:
+            with torch.no_grad():
+                self.up.weight.div_(3e5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.inp(x))
         slow = self.bf16_slowdown if h.dtype == torch.bfloat16 else 1.0
-        time.sleep(self.per_sample * slow * x.shape[0])
+        for _ in range(self.pieces):
+            h = self.nap(h, self.per_sample * slow * x.shape[0] / self.pieces)
         return self.head(self.norm(self.up(h)))

@@ -167,3 +167,22 @@ def test_later_modes_probes_leave_a_broken_modes_islands_their_time(monkeypatch)
         r = ampnb.doctor(SleepyOverflow(bf16_slowdown=7.0), data(64), CE, profile=False)
     assert seen["left"] >= ISLANDS_STEPS, (seen, r.left_out)
     assert r.mode("16-mixed").nonfinite_module == "up" and r.mode("16-mixed", ("up",)).finite
+
+
+def test_a_slow_modes_probe_is_stopped_where_the_mode_could_no_longer_fit(monkeypatch):
+    """bf16 30x slower (planted, slept in 8 naps): one forward on a slice of the batch would take
+    about 3.7 plain steps. The probe stops it where the mode could no longer fit what is left
+    (at most a few times 32-true's sliced forward), says so, and the budget holds."""
+    from doctor_models import SLEPT
+
+    monkeypatch.setattr(budget, "MIN_SECONDS", 1.0)
+    SLEPT.clear()
+    with cpu_features_as(CPU_CLASSES["avx2"]):
+        r = ampnb.doctor(SleepyOverflow(bf16_slowdown=30.0, overflow=False, pieces=8), data(64), CE,
+                         profile=False)
+    said = [x for x in r.left_out if x.startswith("bf16-mixed: its step")]
+    assert said and "stopped past about" in said[0], r.left_out
+    plain = 0.5  # seconds: a plain step's planted sleep
+    assert SLEPT.get(torch.bfloat16, 0.0) <= 2 * plain, (SLEPT, r.left_out)
+    assert spent_steps(r) <= GOAL
+    assert not r.mode("bf16-mixed").ran and "stopped past" in r.mode("bf16-mixed").how

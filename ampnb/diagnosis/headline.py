@@ -22,7 +22,7 @@ from torch import nn
 from ampnb.device import sync
 from ampnb.diagnosis.budget import DEFAULT_STEPS, SAFETY, Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
-from ampnb.diagnosis.cost import ROUNDS, ratios, sliced
+from ampnb.diagnosis.cost import ROUNDS, Prices, ratios, sliced
 from ampnb.diagnosis.run import (
     MIN_SCALE,
     Setup,
@@ -199,37 +199,15 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
     first steps, cheapest first, each as it fits what is left (`must`, the headline: the copies
     are made without asking); a step larger than the whole budget is never started."""
     setup, plain = head.setup, clock.plain
-    estimates = dict(head.estimates)
+    priced, prices = _priced(head, ref_cand, cands, copies, clock, must=must)
+    estimates = {**head.estimates, **{c.name: plain * prices.ratios.get(c.name, 1.0)
+                                      for c, _ in priced}}
     too_large, failed = list(head.too_large), list(head.failed)
-    priced = []
-    probing = 0.0  # what the probes of the candidates priced so far may cost
-    for c in cands:
-        key = "fp32" if keeps_model(c) else c.name
-        # a copy of its own costs about what the fp32 working copy did, and its probe about a
-        # plain step at most: neither is started without room for them and its step (the probes
-        # are work too: they must not eat the time held for a broken mode's islands)
-        made = len({"fp32", key} - set(copies)) * head.copy_seconds
-        if not must and not clock.fits(probing + made + 2 * plain, f"{c.name}: its step"):
-            continue
-        if _made(setup, head, ref_cand, c, key, copies, clock):
-            priced.append((c, key))
-            probing += made + plain
-    # one probe for all: their sliced forwards interleaved with one series of 32-true's
-    found = _probe(setup, (ref_cand, copies["fp32"][0]) if copies else None,
-                   [(c, copies[key][0]) for c, key in priced], plain)
-    estimates.update({c.name: plain * found.get(c.name, 1.0) for c, _ in priced})
     runs = dict(head.runs)
     scalers: dict[str, torch.amp.GradScaler | None] = {}
-    limit = clock.budget.limit(plain)
     for c, key in sorted(priced, key=lambda ck: estimates[ck[0].name]):
-        what = f"{c.name}: its step"
-        if estimates[c.name] > limit:
-            too_large.append(c.name)
-            clock.skip(what, f"one step is about {estimates[c.name] / plain:.1f} plain steps "
-                       "(its forward on a slice of the batch, measured), more than the whole "
-                       "budget")
-            continue
-        if not (must and _sure(c, estimates, clock)) and not _fits(c, runs, estimates, clock):
+        if not _startable(c, estimates, prices, too_large, clock) or not (
+                must and _sure(c, estimates, clock)) and not _fits(c, runs, estimates, clock):
             continue
         reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
@@ -245,6 +223,48 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
             torch.amp.GradScaler(torch.device(setup.device).type, init_scale=scale)
     return dataclasses.replace(head, runs=runs, estimates=estimates, too_large=tuple(too_large),
                                failed=tuple(failed)), scalers
+
+
+def _priced(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate], copies: dict,
+            clock: Clock, *, must: bool) -> tuple[list[tuple[Candidate, str]], Prices]:
+    """The candidates given room for their copies and probes, and their probe's prices."""
+    plain, priced, probing = clock.plain, [], 0.0
+    for c in cands:
+        key = "fp32" if keeps_model(c) else c.name
+        # a copy of its own costs about what the fp32 working copy did, and its probe about a
+        # plain step at most: neither is started without room for them and its step (the probes
+        # are work too: they must not eat the time held for a broken mode's islands)
+        made = len({"fp32", key} - set(copies)) * head.copy_seconds
+        if not must and not clock.fits(probing + made + 2 * plain, f"{c.name}: its step"):
+            continue
+        if _made(head.setup, head, ref_cand, c, key, copies, clock):
+            priced.append((c, key))
+            probing += made + plain
+    # a mode priced past what is left after the probes cannot fit: its probe stops there (never
+    # below twice SURE, where a mode of the headline always runs)
+    hand = plain + clock.reserve + probing
+    most = max(2 * SURE, (clock.left - hand) / (SAFETY * plain))
+    # one probe for all: their sliced forwards interleaved with one series of 32-true's
+    return priced, _probe(head.setup, (ref_cand, copies["fp32"][0]) if copies else None,
+                          [(c, copies[key][0]) for c, key in priced], plain, most)
+
+
+def _startable(c: Candidate, estimates: dict[str, float], prices: Prices, too_large: list[str],
+               clock: Clock) -> bool:
+    """False, said so, where a candidate's probe was stopped (past what is left) or its step is
+    priced over the whole budget (listed in too_large)."""
+    what, steps = f"{c.name}: its step", estimates[c.name] / clock.plain
+    if c.name in prices.stopped:
+        clock.skip(f"{what}, priced by its forward on a slice of the batch", f"stopped past "
+                   f"about {steps:.1f} plain steps; {max(clock.left, 0) / clock.plain:.1f} plain "
+                   "steps left")
+        return False
+    if estimates[c.name] > clock.budget.limit(clock.plain):
+        too_large.append(c.name)
+        clock.skip(what, f"one step is about {steps:.1f} plain steps (its forward on a slice of "
+                   "the batch, measured), more than the whole budget")
+        return False
+    return True
 
 
 def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float], clock: Clock
@@ -282,14 +302,15 @@ def _made(setup: Setup, head: Headline, ref_cand: Candidate, c: Candidate, key: 
 
 
 def _probe(setup: Setup, ref: tuple[Candidate, nn.Module] | None,
-           cands: list[tuple[Candidate, nn.Module]], plain: float) -> dict[str, float]:
+           cands: list[tuple[Candidate, nn.Module]], plain: float, most: float) -> Prices:
     """Each candidate's step over a plain step, from its forward on a slice of the batch against
     32-true's (none for a cell's code, which has no batch to slice: 1.0 is assumed). One sliced
     forward slower than a share of a plain step has said enough (a mode at least about eight
-    times slower): that mode's probe stops there, so that it costs about a plain step at most."""
+    times slower): that mode's probe ends there; one past `most` times 32-true's is stopped."""
     if setup.step is not None or ref is None or not cands:
-        return {}
-    return ratios(ref, cands, setup.batch, setup.loss_fn, setup.device, stop=plain / (ROUNDS + 1))
+        return Prices()
+    return ratios(ref, cands, setup.batch, setup.loss_fn, setup.device, stop=plain / (ROUNDS + 1),
+                  most=most)
 
 
 def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,
