@@ -254,17 +254,18 @@ def _startable(c: Candidate, estimates: dict[str, float], prices: Prices, too_la
     """False, said so, where a candidate's probe was stopped (past what is left) or its step is
     priced over the whole budget (listed in too_large)."""
     what, steps = f"{c.name}: its step", estimates[c.name] / clock.plain
-    if c.name in prices.stopped:
+    stopped = c.name in prices.stopped
+    if estimates[c.name] > clock.budget.limit(clock.plain):
+        too_large.append(c.name)
+        clock.skip(what, f"one step is {'over ' if stopped else ''}about {steps:.1f} plain steps "
+                   f"(its forward on a slice of the batch, measured{' until stopped' * stopped}),"
+                   " more than the whole budget")
+        return False
+    if stopped:
         clock.skip(f"{what}, priced by its forward on a slice of the batch", f"stopped past "
                    f"about {steps:.1f} plain steps; {max(clock.left, 0) / clock.plain:.1f} plain "
                    "steps left")
-        return False
-    if estimates[c.name] > clock.budget.limit(clock.plain):
-        too_large.append(c.name)
-        clock.skip(what, f"one step is about {steps:.1f} plain steps (its forward on a slice of "
-                   "the batch, measured), more than the whole budget")
-        return False
-    return True
+    return not stopped
 
 
 def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float], clock: Clock
