@@ -94,10 +94,72 @@ def _gru_lm() -> tuple:
     return model, batch, torch.optim.AdamW(model.parameters()), torch.nn.functional.cross_entropy
 
 
+def _ids(vocab: int, batch: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _convnext() -> tuple:
+    # Four models the doctor was not tuned on, each built from a config (nothing downloads).
+    import transformers as t
+
+    torch.manual_seed(0)
+    model = t.ConvNextForImageClassification(t.ConvNextConfig(
+        num_channels=3, hidden_sizes=[48, 96, 192, 384], depths=[2, 2, 4, 2], num_labels=10,
+        image_size=64))
+    g = torch.Generator().manual_seed(1)
+    batch = {"pixel_values": torch.randn(16, 3, 64, 64, generator=g),
+             "labels": torch.randint(0, 10, (16,), generator=g)}
+    return model, batch, torch.optim.AdamW(model.parameters()), None
+
+
+def _clip() -> tuple:
+    import transformers as t
+
+    torch.manual_seed(0)
+    model = t.CLIPModel(t.CLIPConfig(
+        text_config=dict(vocab_size=1000, hidden_size=256, intermediate_size=1024,
+                         num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64),
+        vision_config=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                           num_attention_heads=4, image_size=64, patch_size=8),
+        projection_dim=128))
+    g = torch.Generator().manual_seed(1)
+    batch = {"input_ids": _ids(1000, 16, 32), "pixel_values": torch.randn(16, 3, 64, 64, generator=g),
+             "return_loss": True}
+    return model, batch, torch.optim.AdamW(model.parameters()), None
+
+
+def _llama_gqa() -> tuple:
+    import transformers as t
+
+    torch.manual_seed(0)
+    model = t.LlamaForCausalLM(t.LlamaConfig(
+        vocab_size=4000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
+        rope_theta=500000.0))
+    ids = _ids(4000, 8, 128)
+    return model, {"input_ids": ids, "labels": ids}, torch.optim.AdamW(model.parameters()), None
+
+
+def _deberta() -> tuple:
+    import transformers as t
+
+    torch.manual_seed(0)
+    model = t.DebertaV2ForSequenceClassification(t.DebertaV2Config(
+        vocab_size=4000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, max_position_embeddings=256, num_labels=3,
+        relative_attention=True, position_buckets=64, pos_att_type=["p2c", "c2p"]))
+    batch = {"input_ids": _ids(4000, 16, 64),
+             "labels": torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(2))}
+    return model, batch, torch.optim.AdamW(model.parameters()), None
+
+
 # name -> () -> (model, batch, optimizer, loss_fn or None: the model's own loss)
 MODELS: dict[str, Callable[[], tuple]] = {
     "tiny": _tiny, "demo-gpt": _demo_gpt, "gpt2-5M": _gpt2_5m, "gpt2-17M": _gpt2_17m,
-    "conv": _conv, "gru-lm": _gru_lm}
+    "conv": _conv, "gru-lm": _gru_lm, "convnext": _convnext, "clip": _clip,
+    "llama-gqa": _llama_gqa, "deberta-v2": _deberta}
 
 
 @dataclass(frozen=True)

@@ -260,12 +260,14 @@ class SleepyOverflow(ForwardOverflow):
     """ForwardOverflow whose forward takes `per_sample` seconds a sample, `bf16_slowdown` times
     that under bf16 autocast (an AVX2 CPU's bf16, planted), slept in `pieces` naps: plain steps
     long and steady enough for the doctor's budget to be counted in them on any CPU, however
-    loaded. `overflow=False`: the same model without the plant."""
+    loaded. `overflow=False`: the same model without the plant; `whole_batch_only`: bf16 slow on
+    the whole batch only (a slice of it, as the doctor's probe takes, runs at fp32's speed)."""
 
     def __init__(self, per_sample: float = 0.5 / 64, bf16_slowdown: float = 8.0,
-                 overflow: bool = True, pieces: int = 1) -> None:
+                 overflow: bool = True, pieces: int = 1, whole_batch_only: bool = False) -> None:
         super().__init__()
         self.per_sample, self.bf16_slowdown, self.pieces = per_sample, bf16_slowdown, pieces
+        self.whole_batch_only = whole_batch_only  # bf16 slow only on batches over 8 samples
         self.nap = Nap()
         if not overflow:
             with torch.no_grad():
@@ -273,7 +275,8 @@ class SleepyOverflow(ForwardOverflow):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.inp(x))
-        slow = self.bf16_slowdown if h.dtype == torch.bfloat16 else 1.0
+        slow = self.bf16_slowdown if h.dtype == torch.bfloat16 and not (
+            self.whole_batch_only and x.shape[0] <= 8) else 1.0
         for _ in range(self.pieces):
             h = self.nap(h, self.per_sample * slow * x.shape[0] / self.pieces)
         return self.head(self.norm(self.up(h)))

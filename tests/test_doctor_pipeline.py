@@ -4,6 +4,7 @@ budgets held, islands never lost over the cap, failures and devices named."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -100,11 +101,13 @@ def test_a_slow_fp16_step_is_measured_before_it_runs_and_left_out_when_over_the_
     finally:
         torch.set_num_threads(threads)
     said = [s for s in r.left_out if s.startswith("16-mixed: its step")]
-    assert said and "more than the whole budget" in said[0] and "measured" in said[0], r.left_out
-    steps = float(said[0].split("about ")[1].split(" plain")[0])
-    plain = float(r.budget.split("a plain 32-true step: ")[1].split(" s")[0])
-    # the probe saw the injected 0.5 s per sample on its slice (2 of 16 samples): 1 s
-    assert steps * plain > 0.5
+    # the probe's forward on its slice (2 of 16 samples: 1 s injected) is stopped where the mode
+    # could no longer fit: a price past the whole budget, or past what is left, is said
+    assert said and ("more than the whole budget" in said[0] and "measured" in said[0] or
+                     "stopped past about" in said[0]), r.left_out
+    if "stopped past" in said[0]:  # a price it could not fit in (with one plain step in hand)
+        steps, left = map(float, re.findall(r"([\d.]+) plain steps", said[0])[:2])
+        assert 1.25 * steps + 1 > left
     assert "16-mixed" not in [m.name for m in r.modes]
     assert r.mode("bf16-mixed").ratio is not None  # the verdict's mixed mode is still timed
 

@@ -3,12 +3,10 @@ on a slice of the batch against 32-true's (a slow kernel is slow on a slice too)
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +15,7 @@ from ampnb._tree import map_tensors, tensors
 from ampnb.batch import Batch
 from ampnb.device import sync
 from ampnb.diagnosis.candidates import Candidate
+from ampnb.diagnosis.deadline import FLOOR, Stopped, until
 from ampnb.step import forward_loss
 
 SLICE = 8      # the probe's batch: an eighth of the user's (at least 2 samples)
@@ -39,13 +38,6 @@ def sliced(batch: Batch) -> Batch:
                  map_tensors(cut, batch.targets))
 
 
-FLOOR = 0.05   # seconds: a probe forward shorter than this is never stopped (a first call's costs)
-
-
-class _Stopped(Exception):
-    """A probe forward past its time: raised by a module pre-hook to end it."""
-
-
 @dataclass(frozen=True)
 class Prices:
     """Each candidate's forward over 32-true's on the slice; `stopped`: the candidates whose
@@ -55,28 +47,9 @@ class Prices:
     stopped: frozenset[str] = frozenset()
 
 
-@contextlib.contextmanager
-def _until(net: nn.Module, seconds: float) -> Iterator[None]:
-    """The forwards of net's modules stop (_Stopped) once `seconds` have passed: a slow mode's
-    probe costs what the budget allows, not what the mode costs (19x on an AVX2 CPU's bf16)."""
-    end = time.perf_counter() + seconds
-
-    def check(module: nn.Module, args: Any) -> None:
-        if time.perf_counter() > end:
-            raise _Stopped
-
-    handles = [] if math.isinf(seconds) else [m.register_forward_pre_hook(check)
-                                              for m in net.modules()]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def _forward(cand: Candidate, net: nn.Module, batch: Batch, loss_fn: Callable | None,
              device: str, most: float = math.inf) -> float:
-    with torch.no_grad(), cand.context(device), _until(net, most):
+    with torch.no_grad(), cand.context(device), until(net, most):
         sync(device)
         t0 = time.perf_counter()
         forward_loss(cand.mode, net, batch, loss_fn, device)
@@ -102,12 +75,12 @@ def ratios(ref: tuple[Candidate, nn.Module], cands: Sequence[tuple[Candidate, nn
                 continue
             if times[c.name] and c is not ref[0] and max(times[c.name]) > stop:
                 continue
-            limit = math.inf if c is ref[0] else max(most * min(times[ref[0].name]), FLOOR)
+            limit = math.inf if c is ref[0] else most * min(times[ref[0].name])
             try:
                 times[c.name].append(_forward(c, net, small, loss_fn, device, limit))
-            except _Stopped:
+            except Stopped:
                 stopped.add(c.name)
-                times[c.name] = [limit]
+                times[c.name] = [max(limit, FLOOR)]
             except (RuntimeError, TypeError, ValueError):
                 failed.add(c.name)
     name = ref[0].name

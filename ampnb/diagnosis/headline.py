@@ -12,6 +12,7 @@ islands of a cheaper mode that broke, and the report says what it would have cos
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from ampnb.device import sync
 from ampnb.diagnosis.budget import DEFAULT_STEPS, SAFETY, Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
 from ampnb.diagnosis.cost import ROUNDS, Prices, ratios, sliced
+from ampnb.diagnosis.deadline import FORWARD_SHARE, Stopped, until
 from ampnb.diagnosis.run import (
     MIN_SCALE,
     Setup,
@@ -71,10 +73,11 @@ def reset(setup: Setup, net: nn.Module) -> None:
 
 
 def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.Optimizer,
-               ref: StepResult | None, clock: Clock) -> StepResult:
+               ref: StepResult | None, clock: Clock, within: float = math.inf) -> StepResult:
     """A mode's step from the snapshot, its unscaled gradients compared with `ref`'s as they are
     read (`ref` None: the reference, whose gradients are kept). A GradScaler that skips the step
-    halves its scale and steps again, as training would: each of those steps counts."""
+    halves its scale and steps again, as training would: each of those steps counts. A forward
+    past its share of `within` seconds is stopped (deadline.Stopped)."""
     scaler = cand.mode.make_scaler(setup.device)
     store = setup.spill() if ref is None else None
     skipped = 0
@@ -83,7 +86,8 @@ def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.O
         with cand.context(setup.device), MemoryMeter(setup.device) as meter:
             sync(setup.device)
             t0 = time.perf_counter()
-            out = _step(net, opt, setup, cand, scaler, grads)
+            with until(net, FORWARD_SHARE * within):
+                out = _step(net, opt, setup, cand, scaler, grads)
             sync(setup.device)
             seconds = time.perf_counter() - t0
         # an inf/NaN loss is no gradient overflow: no loss scale helps it, so no step is retried
@@ -211,8 +215,15 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
             continue
         reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
+        within = _within(runs, clock)
         try:
-            runs[c.name] = first_step(setup, c, *copies[key], head.ref, clock)
+            runs[c.name] = first_step(setup, c, *copies[key], head.ref, clock, within)
+        except Stopped:  # the slice priced it lower than the whole batch costs (small slices)
+            clock.skip(f"{c.name}: its step", f"its first step was stopped: its forward alone "
+                       f"passed about {FORWARD_SHARE * within / plain:.1f} plain steps, a third of "
+                       f"what was left (its forward on a slice of the batch had priced the step "
+                       f"at about {estimates[c.name] / plain:.1f})")
+            continue
         except (RuntimeError, TypeError) as e:  # a kernel this CPU lacks, dtypes that clash
             failed.append(f"{c.name}: its step failed here ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]})")
@@ -266,6 +277,14 @@ def _startable(c: Candidate, estimates: dict[str, float], prices: Prices, too_la
                    f"about {steps:.1f} plain steps; {max(clock.left, 0) / clock.plain:.1f} plain "
                    "steps left")
     return not stopped
+
+
+def _within(runs: dict[str, StepResult], clock: Clock) -> float:
+    """Seconds a mode's first step may take: what is left (the islands of a mode that broke kept
+    in hand), and never less than twice SURE plain steps (a mode that always runs)."""
+    broken = any(not r.finite for r in runs.values())
+    hand = clock.plain + clock.reserve + (ISLANDS_STEPS * clock.plain if broken else 0.0)
+    return max((clock.left - hand) / SAFETY, 2 * SURE * clock.plain)
 
 
 def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float], clock: Clock
