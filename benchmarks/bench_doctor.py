@@ -26,7 +26,10 @@ NOISY = 1.5
 ATTEMPTS = 2        # doctor processes per set-up at most, while its time row cannot be judged
 # (model, label, thread counts)
 CASES = (("gpt2-5M", "GPT-2 5M", (1, 2)), ("gpt2-17M", "GPT-2 17M", (1, 2)),
-         ("conv", "a conv net (fp16 convolutions)", (2,)), ("gru-lm", "a GRU LM", (2,)))
+         ("conv", "a conv net (fp16 convolutions)", (2,)), ("gru-lm", "a GRU LM", (2,)),
+         # transformers models the doctor was not tuned on (#40 found 21.9-36.1 plain steps)
+         ("convnext", "ConvNeXt", (2,)), ("clip", "CLIP", (2,)),
+         ("llama-gqa", "Llama (GQA, llama3 RoPE scaling)", (2,)), ("deberta-v2", "DeBERTa-v2", (2,)))
 # The AVX2-only class (no AVX512, no native bf16 or fp16), as any x86 CPU acts it: torch's and
 # oneDNN's kernels capped, which ampnb's feature detection follows.
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
