@@ -210,14 +210,18 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
     too_large, failed = list(head.too_large), list(head.failed)
     runs = dict(head.runs)
     scalers: dict[str, torch.amp.GradScaler | None] = {}
+    # the headline's modes that always run are timed once whatever is left: kept in hand
+    committed = plain + sum(estimates[c.name] for c, _ in priced
+                            if _sure(c, estimates, clock)) if must else 0.0
     for c, key in sorted(priced, key=lambda ck: estimates[ck[0].name]):
         sure = must and _sure(c, estimates, clock)
-        if not _startable(c, estimates, prices, too_large, clock) or not sure and not _fits(
-                c, runs, estimates, clock):
-            continue
+        with clock.held(0.0 if sure else committed):
+            if not _startable(c, estimates, prices, too_large, clock) or not sure and not _fits(
+                    c, runs, estimates, clock):
+                continue
+            within = _within(runs, clock, sure)
         reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
-        within = _within(runs, clock)
         # a mode that always runs may take all of it in its forward (fp16 kernels' first calls)
         forward = within if sure else FORWARD_SHARE * within
         try:
@@ -283,12 +287,13 @@ def _startable(c: Candidate, estimates: dict[str, float], prices: Prices, too_la
     return not stopped
 
 
-def _within(runs: dict[str, StepResult], clock: Clock) -> float:
-    """Seconds a mode's first step may take: what is left (the islands of a mode that broke kept
-    in hand), and never less than twice SURE plain steps (a mode that always runs)."""
+def _within(runs: dict[str, StepResult], clock: Clock, sure: bool) -> float:
+    """Seconds a mode's first step may take: what is left (the islands of a mode that broke and
+    what the clock holds kept in hand); for a mode that always runs, never less than twice SURE
+    plain steps."""
     broken = any(not r.finite for r in runs.values())
     hand = clock.plain + clock.reserve + (ISLANDS_STEPS * clock.plain if broken else 0.0)
-    return max((clock.left - hand) / SAFETY, 2 * SURE * clock.plain)
+    return max((clock.left - hand) / SAFETY, 2 * SURE * clock.plain if sure else 0.0)
 
 
 def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float], clock: Clock
