@@ -41,3 +41,29 @@ def test_plots_return_axes():
     assert top.figure is bottom.figure
     with pytest.raises(ValueError, match="block-scaled"):
         block_stats(x, "bf16")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"])
+def test_tensor_histogram_accepts_a_block_format_and_draws_its_block_bands(fmt):
+    pytest.importorskip("matplotlib")
+    from ampnb.plots import plot_tensor_histogram
+
+    x = outlier_tensor()
+    ax = plot_tensor_histogram(x, (fmt,))
+    s = block_stats(x, fmt)
+    lo_e, hi_e = s.element_binades
+    scales = sorted({v for v in s.log2_scale if v == v})
+    bands = [p for p in ax.patches if (p.get_gid() or "").startswith(f"{fmt}:block")]
+    assert len(bands) == len(scales)
+    xs = sorted(round(p.get_x(), 6) for p in bands)
+    assert xs == sorted(round(lo_e + sc, 6) for sc in scales)
+
+
+def test_tensor_histogram_block_format_needs_the_tensor():
+    pytest.importorskip("matplotlib")
+    from ampnb.instruments.summaries import summarize
+    from ampnb.plots import plot_tensor_histogram
+
+    stats = summarize(outlier_tensor(), ("fp16",))
+    with pytest.raises(ValueError, match="mxfp4"):
+        plot_tensor_histogram(stats, ("mxfp4",))

@@ -257,3 +257,19 @@ def test_block_view_draws_the_blocks_of_the_chosen_tensor():
     assert len(p.figure.axes) == 1 and p.message.value == ""
     with pytest.raises(ValueError, match="allowed: mxfp8_e4m3"):
         RangeExplorer(_demo(), blocks=("fp16",))
+
+
+def test_block_format_names_in_formats_go_to_the_block_view():
+    """formats= accepts mxfp8_e4m3 / mxfp8_e5m2 / mxfp4 / nvfp4: they join the block view picker
+    (a per-tensor coverage has no meaning for them), the rest stay per-tensor lanes."""
+    p = RangeExplorer(_demo(), formats=("fp16", "bf16", "fp8_e4m3", "mxfp8_e4m3", "mxfp8_e5m2",
+                                        "mxfp4", "nvfp4"))
+    assert p.formats == ("fp16", "bf16", "fp8_e4m3")
+    assert [v for _, v in p.block.options] == [None, "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4",
+                                               "nvfp4"]
+    p.kind.value = "weight"
+    p.layer.value = p.layer.options[1]
+    p.block.value = "mxfp4"
+    assert len(p.figure.axes) == 2 and p.message.value == ""
+    with pytest.raises(ValueError, match="at least one per-tensor format"):
+        RangeExplorer(_demo(), formats=("mxfp4",))

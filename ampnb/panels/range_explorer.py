@@ -38,6 +38,30 @@ def _own_loss(output: Any, _targets: Any) -> torch.Tensor | None:
     return model_loss(output)
 
 
+def _pick_formats(formats: Iterable[str], shown: Iterable[str] | None, blocks: Iterable[str]
+                  ) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(per-tensor formats, shown ones, block formats): block names in formats join blocks."""
+    formats = (formats,) if isinstance(formats, str) else tuple(formats)
+    blocks = (blocks,) if isinstance(blocks, str) else tuple(blocks)
+    bad = [b for b in blocks if b not in BLOCK_FORMATS]
+    if bad:
+        raise ValueError(f"blocks={bad[0]!r} is not a block-scaled format; allowed: "
+                         f"{', '.join(BLOCK_FORMATS)}")
+    blocks += tuple(f for f in formats if f in BLOCK_FORMATS and f not in blocks)
+    names = tuple(get_format(f).name for f in formats if f not in BLOCK_FORMATS)
+    if not names:
+        raise ValueError(f"formats={formats!r} needs at least one per-tensor format, e.g. "
+                         f"'fp16'; block formats alone go in blocks=")
+    if shown is None:  # the usual three where captured, else the first three captured
+        shown = [f for f in RANGE_FORMATS if f in names] or names[:3]
+    shown = tuple(get_format(f).name for f in shown)
+    missing = [f for f in shown if f not in names]
+    if missing:
+        raise ValueError(f"shown format {missing[0]!r} is not among formats; allowed: "
+                         f"{', '.join(names)}")
+    return names, shown, blocks
+
+
 class RangeExplorer(Panel):
     """Layer / kind / formats pickers over one captured step; plot and coverage table follow.
 
@@ -63,33 +87,12 @@ class RangeExplorer(Panel):
         if batch is not None:
             as_batch(batch, loss_fn)  # a malformed batch is refused before anything runs
         self.model, self.batch, self.loss_fn, self.modules = model, batch, loss_fn, modules
-        self.formats = tuple(get_format(f).name for f in formats)
-        if shown is None:  # the usual three where captured, else the first three captured
-            shown = [f for f in RANGE_FORMATS if f in self.formats] or self.formats[:3]
-        shown = tuple(get_format(f).name for f in shown)
-        missing = [f for f in shown if f not in self.formats]
-        if missing:
-            raise ValueError(f"shown format {missing[0]!r} is not among formats; allowed: "
-                             f"{', '.join(self.formats)}")
-        self.blocks = (blocks,) if isinstance(blocks, str) else tuple(blocks)
-        bad = [b for b in self.blocks if b not in BLOCK_FORMATS]
-        if bad:
-            raise ValueError(f"blocks={bad[0]!r} is not a block-scaled format; allowed: "
-                             f"{', '.join(BLOCK_FORMATS)}")
+        self.formats, shown, self.blocks = _pick_formats(formats, shown, blocks)
         self.kinds = ("weight",) + (() if batch is None else ("activation", "gradient"))
         self.capture, had_loss = self._capture()
         if not had_loss:  # no loss_fn and the model gave no loss of its own
             self.kinds = tuple(k for k in self.kinds if k != "gradient")
-        style = {"description_width": "initial"}
-        self.kind = widgets.Dropdown(options=self.kinds, value=self._first_kind(),
-                                     description="tensor", style=style)
-        self.layer = widgets.Dropdown(description="layer", style=style,
-                                      layout={"width": "340px"})
-        self.format_picker = widgets.SelectMultiple(options=self.formats, value=shown,
-                                                    description="formats", rows=len(self.formats),
-                                                    style=style)
-        self.block = widgets.Dropdown(options=[("off", None), *((b, b) for b in self.blocks)],
-                                      value=None, description="block view", style=style)
+        self._pickers(shown)
         self.recapture = widgets.Button(description="Capture again", icon="refresh",
                                         tooltip="run the batch through the model again")
         self.table = widgets.HTML()
@@ -113,6 +116,19 @@ class RangeExplorer(Panel):
                        "formats": self.format_picker, "plot": self.out, "table": self.table,
                        "message": self.message})
         self._safely(self._note)
+
+    def _pickers(self, shown: tuple[str, ...]) -> None:
+        """The kind, layer, formats and block view pickers."""
+        style = {"description_width": "initial"}
+        self.kind = widgets.Dropdown(options=self.kinds, value=self._first_kind(),
+                                     description="tensor", style=style)
+        self.layer = widgets.Dropdown(description="layer", style=style,
+                                      layout={"width": "340px"})
+        self.format_picker = widgets.SelectMultiple(options=self.formats, value=shown,
+                                                    description="formats", rows=len(self.formats),
+                                                    style=style)
+        self.block = widgets.Dropdown(options=[("off", None), *((b, b) for b in self.blocks)],
+                                      value=None, description="block view", style=style)
 
     # ----- capture: one forward (+ backward) that leaves the model as it was ---------------
 

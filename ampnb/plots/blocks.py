@@ -40,7 +40,8 @@ def plot_block_histogram(x: torch.Tensor, fmt: str = "mxfp8_e4m3", ax: Axes | No
     lo_e, hi_e = s.element_binades
     scales = sorted({v for v in s.log2_scale if not math.isnan(v)})
     for k, sc in enumerate(scales):
-        ax.axvspan(lo_e + sc, hi_e + sc, ymin=0, ymax=1, alpha=0.12, color=f"C{k % 10}", lw=0)
+        ax.axvspan(lo_e + sc, hi_e + sc, ymin=0, ymax=1, alpha=0.12, color=f"C{k % 10}", lw=0,
+                   gid=f"{s.format}:block{k}")
     if a.numel():
         ax.hist(torch.log2(a).tolist(), bins=80, color="0.2")
     ax.set_yscale("log")

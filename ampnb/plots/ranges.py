@@ -10,11 +10,13 @@ import torch
 from matplotlib.axes import Axes
 from torch import nn
 
+from ampnb.block_formats import BLOCK_FORMATS
 from ampnb.display import format_percent as _pct
 from ampnb.formats import FloatFormat, get_format
 from ampnb.instruments.coverage_stats import EXP_BINS, Coverage
 from ampnb.instruments.summaries import TensorStats, summarize
 from ampnb.plots._axes import new_axes
+from ampnb.plots.blocks import plot_block_histogram
 
 LADDER_FORMATS = ("fp32", "bf16", "fp16", "fp8_e5m2", "fp8_e4m3")
 RANGE_FORMATS = ("fp16", "bf16", "fp8_e4m3")
@@ -59,6 +61,20 @@ def _formats(formats: Iterable[FormatLike]) -> list[FloatFormat]:
     if not fmts:
         raise ValueError("formats is empty; pass at least one, e.g. ('fp16', 'bf16')")
     return fmts
+
+
+def _block_format(x: object, formats: Sequence[FormatLike]) -> str | None:
+    """The one block format asked for, or None; a block view needs the tensor's values."""
+    blocks = [f for f in formats if isinstance(f, str) and f in BLOCK_FORMATS]
+    if not blocks:
+        return None
+    if len(formats) != 1:
+        raise ValueError(f"block format {blocks[0]!r} is drawn on its own; pass formats="
+                         f"({blocks[0]!r},) or only per-tensor formats")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"block format {blocks[0]!r} needs the tensor itself (its blocks' "
+                         f"scales), got {type(x).__name__}")
+    return blocks[0]
 
 
 def _pow2(v: float) -> str:
@@ -135,7 +151,12 @@ def plot_tensor_histogram(x: torch.Tensor | TensorStats,
                           formats: Iterable[FormatLike] = RANGE_FORMATS,
                           ax: Axes | None = None, title: str | None = None,
                           log: bool = True) -> Axes:
-    """log2|x| histogram over the chosen formats' bands, with their coverage annotated."""
+    """log2|x| histogram over the chosen formats' bands, with their coverage annotated; one
+    block format (e.g. "mxfp4") draws the element range shifted by each block's scale."""
+    formats = list(formats)
+    block = _block_format(x, formats)
+    if block is not None:
+        return plot_block_histogram(x, block, ax=ax)  # type: ignore[arg-type]
     fmts = _formats(formats)
     s = _stats(x, fmts)
     ax = new_axes(ax, figsize=(8.0, 3.2))
