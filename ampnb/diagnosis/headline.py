@@ -219,7 +219,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
             if not _startable(c, estimates, prices, too_large, clock) or not sure and not _fits(
                     c, runs, estimates, clock):
                 continue
-            within = _within(runs, clock, sure)
+            within = _within(runs, clock, sure, c.fp16_kernels)
         reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
         # a mode that always runs may take all of it in its forward (fp16 kernels' first calls)
@@ -287,13 +287,16 @@ def _startable(c: Candidate, estimates: dict[str, float], prices: Prices, too_la
     return not stopped
 
 
-def _within(runs: dict[str, StepResult], clock: Clock, sure: bool) -> float:
+def _within(runs: dict[str, StepResult], clock: Clock, sure: bool, fp16_kernels: bool) -> float:
     """Seconds a mode's first step may take: what is left (the islands of a mode that broke and
     what the clock holds kept in hand); for a mode that always runs, never less than twice SURE
-    plain steps."""
+    plain steps, and for fp16 through ampnb's kernels (the mode every CPU class must examine)
+    never less than the whole budget: a busier machine does not cost it its look."""
     broken = any(not r.finite for r in runs.values())
     hand = clock.plain + clock.reserve + (ISLANDS_STEPS * clock.plain if broken else 0.0)
-    return max((clock.left - hand) / SAFETY, 2 * SURE * clock.plain if sure else 0.0)
+    floor = 0.0 if not sure else clock.budget.limit(clock.plain) if fp16_kernels else \
+        2 * SURE * clock.plain
+    return max((clock.left - hand) / SAFETY, floor)
 
 
 def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float], clock: Clock
