@@ -6,7 +6,7 @@ Read in `ampnb.putback` (the one home for putting things back); kept importable 
 
 from __future__ import annotations
 
-from ampnb.putback import TorchState
-from ampnb.putback import torch_state as snapshot
+from ampnb.putback_state import TorchState
+from ampnb.putback_state import torch_state as snapshot
 
 __all__ = ["TorchState", "snapshot"]

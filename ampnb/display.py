@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,3 +87,20 @@ def format_percent(fraction: float) -> str:
 def dtype_name(dtype: torch.dtype | None) -> str:
     """torch.bfloat16 -> 'bfloat16'; None -> '-'."""
     return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+# Core results draw themselves through these names: the core never imports the display or
+# Jupyter side (tests/test_import.py), the display layer resolves a name on first use.
+VIEWS = {
+    "doctor.layers": "ampnb.plots.doctor:plot_layers",
+    "watch.plot": "ampnb.plots.watch:plot_records",
+    "watch.panel": "ampnb.panels.watch_panel:WatchPanel",
+}
+
+
+def view(name: str) -> Any:
+    """The display-layer function or class registered as `name` (ImportError without its library)."""
+    if name not in VIEWS:
+        raise ValueError(f"unknown view {name!r}; known: {', '.join(sorted(VIEWS))}")
+    module, _, attr = VIEWS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -174,10 +174,6 @@ class Start:
         self.master.load_into(net)
         return net, memo
 
-    def model_copy(self, mode: PrecisionMode, device: str) -> nn.Module:
-        """A fresh model on device with the snapshot's values, converted by the mode."""
-        return mode.convert_module(self._fresh(device)[0])
-
     def copy(self, mode: PrecisionMode, device: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         """A fresh model in the mode and the user's optimizer over it, its state cast to the
         converted weights (as `load_state_dict` casts it)."""

@@ -27,7 +27,7 @@ from ampnb.batch import Batch, step_loss
 from ampnb.device import TF32Setting, tf32_context
 from ampnb.fp16_kernels import Fp16Kernels
 from ampnb.modes import PrecisionMode
-from ampnb.putback import default_dtype_kept
+from ampnb.putback_state import default_dtype_kept
 from ampnb.selective import keep_fp32
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")

@@ -314,3 +314,15 @@ def test_compare_16_mixed_runs_the_chosen_fp16_kernels_and_says_so(kernels):
     assert (row.max_abs_error, row.rel_error) == errors(expected, _fp32(run))
     assert ("emulated in fp32" in row.note) == (kernels == "emulated")
     assert "slower" in row.note
+
+
+def test_compare_options_are_one_frozen_record_the_public_call_builds():
+    import dataclasses
+
+    from ampnb.comparison.run import CompareOptions, compare_with
+
+    options = CompareOptions(repeat=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.repeat = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="repeat must be an int >= 1, got 0"):
+        compare_with(lambda: None, options)

@@ -129,6 +129,7 @@ def test_report_renders_and_exposes_data(overflow_report):
     assert text.startswith("On cpu (where the model's parameters are): use ") and text == repr(r)
     html = r._repr_html_()
     assert html.index("ampnb.doctor: use") < html.index("<table")
+    assert '<img src="data:image/png;base64,' in html  # drawn by the display layer (#43)
     assert [m.name for m in r.modes][:2] == ["32-true", "16-mixed"]
     assert {"inp", "up", "norm", "head"} <= {lr.module for lr in r.layers}
     assert "64-true" in r.fp64

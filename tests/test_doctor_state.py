@@ -179,7 +179,7 @@ def test_profile_step_splits_op_time_by_dtype():
 def test_restore_pops_a_dispatch_mode_left_behind():
     """The safety net: a mode pushed inside torch's set-up and never popped is popped on exit."""
     from ampnb.fp16_kernels import Fp16KernelEmulation
-    from ampnb.putback import globals_kept
+    from ampnb.putback_state import globals_kept
 
     state = snapshot()
     with globals_kept():

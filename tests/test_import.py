@@ -311,3 +311,63 @@ def test_the_design_page_names_every_public_name():
     surface = design.split("## Public surface", 1)[1].split("\n## ", 1)[0]
     missing = sorted(n for n in PUBLIC if not re.search(rf"\b{re.escape(n)}\b", surface))
     assert not missing, f"docs/design.md's public surface does not name {missing}"
+
+
+DISPLAY_LAYER = ("ampnb.panels", "ampnb.magics", "ampnb.plots", "ampnb.display")
+FORBIDDEN_IN_CORE = (*DISPLAY_LAYER[:3], *JUPYTER_SIDE)
+
+
+def _in(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _every_import(name: str, path: pathlib.Path) -> list[tuple[str, int]]:
+    """(module, line) of every import in the file, at any depth, relative ones resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            found += [(base, node.lineno)] + [(f"{base}.{a.name}", node.lineno) for a in node.names]
+    return found
+
+
+# The package's own `__init__` is IPython's door (`%load_ext ampnb` calls its
+# `load_ipython_extension`), so it may name the magics; nothing else in the core may.
+JUPYTER_DOOR = "ampnb"
+
+
+def core_imports_of_display() -> list[str]:
+    """'file:line -> module' for each core module's import of the display or Jupyter side."""
+    return sorted(f"{path.relative_to(ROOT.parent)}:{line} -> {imported}"
+                  for name, path in _modules().items()
+                  if not _in(name, DISPLAY_LAYER) and name != JUPYTER_DOOR
+                  for imported, line in _every_import(name, path)
+                  if _in(imported, FORBIDDEN_IN_CORE))
+
+
+def test_the_core_check_sees_nested_function_level_imports(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("def f():\n    def g():\n        from ..plots import doctor\n"
+                    "        import matplotlib.pyplot\n")
+    found = {m for m, _ in _every_import("ampnb.diagnosis.x", path)}
+    assert {"ampnb.plots.doctor", "matplotlib.pyplot"} <= found
+
+
+def test_the_core_imports_no_display_or_jupyter_side():
+    assert core_imports_of_display() == []
+
+
+def test_every_view_the_core_names_resolves_in_the_display_layer():
+    from ampnb.display import VIEWS, view
+
+    for name, target in VIEWS.items():
+        assert _in(target.partition(":")[0], DISPLAY_LAYER[:3])
+        assert callable(view(name))
+    with pytest.raises(ValueError, match="unknown view 'nope'"):
+        view("nope")

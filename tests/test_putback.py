@@ -19,21 +19,19 @@ from _sweep import sweep
 from torch import nn
 
 import ampnb
-from ampnb import _state, putback
+from ampnb import _state, putback_state
 from ampnb.putback import (
-    Globals,
     Grads,
     ModuleFlags,
     ObjectCopy,
     OptimizerCopy,
     Rng,
     TensorCopy,
-    globals_kept,
     rng_kept,
     seed,
-    torch_state,
     untouched,
 )
+from ampnb.putback_state import Globals, globals_kept, torch_state
 
 ROOT = pathlib.Path(ampnb.__file__).parent
 
@@ -91,7 +89,7 @@ def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def test_state_snapshot_is_putbacks_reader():
-    assert _state.snapshot is torch_state and _state.TorchState is putback.TorchState
+    assert _state.snapshot is torch_state and _state.TorchState is putback_state.TorchState
     assert torch_state() == torch_state()
 
 
@@ -340,7 +338,7 @@ OWN_MODEL_COPIES = [r"\.detach\(\)\.clone\(\)", r"_parameters\.(clear|update)",
 
 def _sources() -> dict[str, str]:
     return {str(p.relative_to(ROOT)): p.read_text() for p in ROOT.rglob("*.py")
-            if p.name != "putback.py"}
+            if not p.name.startswith("putback")}
 
 
 def test_no_module_but_putback_reads_or_sets_a_generator_or_the_safety_nets_state():
@@ -355,13 +353,14 @@ def test_the_six_old_homes_keep_no_copy_of_their_own_and_use_putback():
     for name, user in OLD_HOMES.items():
         own = [p for p in OWN_MODEL_COPIES if re.search(p, sources.get(name, ""))]
         assert not own, (name, own)
-        assert "ampnb.putback import" in sources[user], user
+        assert re.search(r"ampnb\.putback(_state)? import", sources[user]), user
 
 
-def test_importing_putback_stays_light():
-    code = ("import json, sys, ampnb.putback; print(json.dumps(sorted(m for m in sys.modules "
+@pytest.mark.parametrize("module", ["putback", "putback_state"])
+def test_importing_putback_stays_light(module):
+    code = (f"import json, sys, ampnb.{module}; print(json.dumps(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('ampnb', 'IPython', 'ipywidgets', 'matplotlib'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [
-        "ampnb", "ampnb._interrupt", "ampnb._lazy", "ampnb.putback"]
+        "ampnb", "ampnb._interrupt", "ampnb._lazy", f"ampnb.{module}"]

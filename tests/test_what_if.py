@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ampnb
-from ampnb.putback import torch_state
+from ampnb.putback_state import torch_state
 from ampnb.whatif import DEFAULT_FORMATS, WhatIf, get_cast
 
 torchao_utils = pytest.importorskip("torchao.float8.float8_utils")

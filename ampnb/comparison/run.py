@@ -101,9 +101,33 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     fp16 products run on a CPU; `keep_fp32` (module paths or globs in `model`, a module or a
     dict of them) runs those modules in fp32 in every mode but the reference.
     """
-    work = work if isinstance(work, Work) else Work(run=work)
-    if not callable(work.run):
-        raise ValueError(f"compare needs a callable or a Work, got {type(work.run).__name__}")
+    options = CompareOptions(modes=modes, device=device, repeat=repeat, warmup=warmup, seed=seed,
+                             tf32=tf32, progress=progress, fp16_kernels=fp16_kernels,
+                             keep_fp32=keep_fp32, model=model)
+    return compare_with(work, options)
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class CompareOptions:
+    """How compare runs: the modes, device, timed repeats and warm-ups, seed, TF32, progress
+    callback, fp16 kernels, modules kept in fp32 and the model they are named in."""
+
+    modes: Iterable[str] | str = ("bf16-mixed",)
+    device: str | torch.device | None = None
+    repeat: int = 5
+    warmup: int | None = None
+    seed: int = 0
+    tf32: str | bool | None = None
+    progress: Callable[[int, int, str], None] | None = None
+    fp16_kernels: str | None = None
+    keep_fp32: str | Iterable[str] | None = None
+    model: nn.Module | Mapping[str, nn.Module] | None = None
+
+
+def _checked(o: CompareOptions) -> tuple[Any, dict, list[_Entry], Any]:
+    """(fp16 kernels, islands, entries, placement); ValueError on a bad option."""
+    modes, device, repeat, warmup, tf32 = o.modes, o.device, o.repeat, o.warmup, o.tf32
+    fp16_kernels, keep_fp32, model = o.fp16_kernels, o.keep_fp32, o.model
     for name, value, low in (("repeat", repeat, 1), ("warmup", warmup, 1)):
         if name == "warmup" and value is None:
             continue
@@ -131,25 +155,52 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     dev = torch.device(where.device)
     for e in entries:
         get_mode(e.mode).check(dev)
-    warmup = (1 if dev.type == "cpu" else 3) if warmup is None else warmup
-    total = len(entries) * (warmup + repeat)
+    return kernels, islands, entries, where
+
+
+def compare_with(work: Work | Callable[[], Any], o: CompareOptions) -> Comparison:
+    """`compare` with its options in one record."""
+    work = work if isinstance(work, Work) else Work(run=work)
+    if not callable(work.run):
+        raise ValueError(f"compare needs a callable or a Work, got {type(work.run).__name__}")
+    kernels, islands, entries, where = _checked(o)
+    dev = torch.device(where.device)
+    warmup = (1 if dev.type == "cpu" else 3) if o.warmup is None else o.warmup
+    repeat = o.repeat
+    times, results, memory, notes, failed = _measure(work, o, entries, dev, kernels, islands,
+                                                     warmup)
+    for e in entries:
+        said = [notes.get(e, "")]
+        if get_mode(e.mode).compute_dtype == torch.float16:
+            said.append(fp16_kernels_note(dev, kernels))
+        if islands and e != entries[0]:
+            said.append(f"kept in fp32: {', '.join(islands)}")
+        notes[e] = "; ".join(n for n in said if n)
+    return Comparison(str(dev), repeat, warmup, tuple(_row(e, entries[0], times, results, memory,
+                                                           notes, failed) for e in entries),
+                      where.why)
+
+
+def _measure(work: Work, o: CompareOptions, entries: list[_Entry], dev: torch.device, kernels: Any,
+             islands: dict, warmup: int) -> tuple[dict, dict, dict, dict, dict]:
+    """(times, results, memory, notes, failed) per entry, from runs round-robin over the modes."""
+    total, done = len(entries) * (warmup + o.repeat), 0
     times: dict[_Entry, list[float]] = {e: [] for e in entries}
-    results: dict[_Entry, Any] = {}
+    results: dict[_Entry, Any] = {}  # the first run's kept result per mode
     memory: dict[_Entry, tuple[int, int | None]] = {}
     notes: dict[_Entry, str] = {}
     failed: dict[_Entry, str] = {}
-    done = 0
 
     def once(e: _Entry, meter: MemoryMeter | None = None) -> float:
         nonlocal done
         mode = get_mode(e.mode)
         # The reference stays IEEE fp32 throughout: no module kept in fp32 there.
-        island = keep_patterns(keep_fp32) if islands and e != entries[0] else ()
+        island = keep_patterns(o.keep_fp32) if islands and e != entries[0] else ()
         cell = cell_context(StepSettings(mode, str(dev), tf32_setting(e.tf32), kernels, island),
-                            model if island else None)
+                            o.model if island else None)
         with Guard(lambda: work.prepare(mode), lambda _: work.restore()) as note:
             notes[e] = note
-            torch.manual_seed(seed)
+            torch.manual_seed(o.seed)
             with all_of([cell] + ([meter] if meter is not None else [])):
                 sync(dev)
                 t0 = time.perf_counter()
@@ -159,8 +210,8 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
             if meter is not None:  # the first run of a mode: its result is the one compared
                 results[e] = kept(work.keep(value))
         done += 1
-        if progress is not None:
-            progress(done, total, e.label)
+        if o.progress is not None:
+            o.progress(done, total, e.label)
         return elapsed
 
     def attempt(e: _Entry, meter: MemoryMeter | None = None) -> float | None:
@@ -184,21 +235,12 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
             memory[e] = (meter.peak_bytes, meter.cuda_peak_bytes)
             for _ in range(warmup - 1):
                 attempt(e)
-        for _ in range(repeat):
+        for _ in range(o.repeat):
             for e in entries:
                 seconds = attempt(e)
                 if seconds is not None:
                     times[e].append(seconds)
-    for e in entries:
-        said = [notes.get(e, "")]
-        if get_mode(e.mode).compute_dtype == torch.float16:
-            said.append(fp16_kernels_note(dev, kernels))
-        if islands and e != entries[0]:
-            said.append(f"kept in fp32: {', '.join(islands)}")
-        notes[e] = "; ".join(n for n in said if n)
-    return Comparison(str(dev), repeat, warmup, tuple(_row(e, entries[0], times, results, memory,
-                                                           notes, failed) for e in entries),
-                      where.why)
+    return times, results, memory, notes, failed
 
 
 def _row(e: _Entry, ref: _Entry, times: dict, results: dict, memory: dict, notes: dict,

@@ -22,7 +22,7 @@ from ampnb.diagnosis.pipeline import Settings, diagnose, plan
 from ampnb.diagnosis.recommend import Tolerance
 from ampnb.diagnosis.report import DoctorReport
 from ampnb.diagnosis.run import Setup
-from ampnb.putback import globals_kept
+from ampnb.putback_state import globals_kept
 from ampnb.start import set_aside, started
 
 

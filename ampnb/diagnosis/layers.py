@@ -41,10 +41,3 @@ def layer_rows(model: nn.Module, ref: StepResult, runs: dict[str, StepResult],
              for c, r in runs.items()},
             ref.local.get(name, {})))
     return tuple(rows)
-
-
-def worst_local(rows: tuple[LayerRow, ...], cand: str, limit: float) -> list[str]:
-    """Leaf modules whose local error in a candidate is above limit, worst first."""
-    scored = [(r.local[cand].rel, r.module) for r in rows
-              if cand in r.local and not math.isnan(r.local[cand].rel) and r.local[cand].rel > limit]
-    return [m for _, m in sorted(scored, key=lambda x: -x[0])]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from ampnb.diagnosis.evidence import ModeRow
 from ampnb.diagnosis.layers import LayerRow
 from ampnb.diagnosis.profile import Profile
 from ampnb.diagnosis.recommend import Recommendation, Tolerance
-from ampnb.display import Table, format_bytes, format_percent, format_seconds
+from ampnb.display import Table, format_bytes, format_percent, format_seconds, view
 from ampnb.modes import get_mode
 
 
@@ -187,16 +188,12 @@ class DoctorReport:
 
     def plot(self, mode: str | None = None, ax: Any = None) -> Any:
         """Per-layer headroom and local error (matplotlib Axes; see ampnb.plots.doctor)."""
-        from ampnb.plots.doctor import plot_layers
-
-        return plot_layers(self, mode, ax)
+        return view("doctor.layers")(self, mode, ax)
 
     def _plot_png(self) -> str:
         """The per-layer plot as base64 PNG (empty when matplotlib is absent)."""
         try:
-            import base64
-
-            from ampnb.plots.doctor import plot_layers
+            plot_layers = view("doctor.layers")
         except ImportError:
             return ""
         ax = plot_layers(self)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import math
 import tempfile
@@ -15,20 +14,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb._tree import map_tensors, tensors
 from ampnb.apex import master_of
 from ampnb.batch import Batch
 from ampnb.device import sync
 from ampnb.diagnosis.candidates import Candidate
-from ampnb.diagnosis.errors import NOT_COMPARED, Err, Total, compare, moved
+from ampnb.diagnosis.errors import Err, Total, moved
 from ampnb.diagnosis.memory_cap import MemoryCap
+from ampnb.diagnosis.recorder import Recorder
 from ampnb.diagnosis.stochastic import Quiet
 from ampnb.diagnosis.store import Store
 from ampnb.diagnosis.weights import eps_causes, narrow, weights, weights_left
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
-from ampnb.putback import rng_kept, seed
+from ampnb.putback import seed
 from ampnb.start import Start
 from ampnb.step import StepOutcome, forward_loss, train_step
 
@@ -106,9 +105,6 @@ class StepResult:
 # Ops that allocate without computing: their uninitialised memory may hold inf (checked on torch 2.13: dropout's CPU kernel).
 ALLOCATING = frozenset({"empty_like", "empty", "empty_strided", "new_empty", "new_empty_strided"})
 
-# Modules whose output depends on the random state: re-running one alone draws other numbers.
-RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
-
 
 def _nbytes(ts: Iterable[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
@@ -179,97 +175,6 @@ def _step(net: nn.Module, opt: torch.optim.Optimizer, setup: Setup, cand: Candid
                       scaler=scaler, before_update=read)
 
 
-def _first_floats(obj: Any) -> torch.Tensor | None:
-    found = [t.detach().reshape(-1).float() for t in tensors(obj) if t.is_floating_point()]
-    return torch.cat(found) if found else None
-
-
-def _amax(t: torch.Tensor) -> float:
-    if not t.numel():
-        return math.nan
-    top = float(t.abs().max())
-    if math.isfinite(top):  # the common case: one pass, no mask
-        return top
-    a = t.abs()
-    a = a[torch.isfinite(a)]
-    return float(a.max()) if a.numel() else math.nan
-
-
-def _run_alone(module: nn.Module, inputs: Any, cand: Candidate, setup: Setup
-               ) -> torch.Tensor | None:
-    """A leaf module alone on (a copy of) the given fp32 inputs, in a candidate's arithmetic."""
-    args, kwargs = map_tensors(torch.clone, inputs)
-    mode = cand.mode
-    if not mode.is_mixed:  # a true mode computes in its weights' dtype: a converted copy
-        module = mode.convert_module(copy.deepcopy(module))
-    with rng_kept():  # a module run aside must not move the reference's random stream
-        try:
-            with torch.no_grad(), cand.context(setup.device), mode.forward_context(setup.device):
-                return _first_floats(module(*mode.convert_input(args), **mode.convert_input(kwargs)))
-        except (RuntimeError, TypeError, ValueError):  # e.g. an op without a kernel for the dtype
-            return None
-
-
-class _Recorder:
-    """Forward hooks on every module of a copy, first call only: output amax, and the output
-    spilled to disk (the reference) or compared with the reference's (a candidate); leaves of
-    the reference also run alone in each `local` candidate (their local error), then drop it."""
-
-    def __init__(self, net: nn.Module, setup: Setup, spill: Store | None, ref: Store | None,
-                 local: Sequence[Candidate] = ()) -> None:
-        self.setup, self.spill, self.ref, self.cands = setup, spill, ref, tuple(local)
-        self.amax: dict[str, float] = {}
-        self.end_to_end: dict[str, Err] = {}
-        self.local: dict[str, dict[str, Err]] = {}
-        self.inputs: dict[str, Any] = {}
-        self.handles = []
-        for name, module in net.named_modules():
-            if not name:
-                continue
-            alone = self.cands and not any(True for _ in module.children()) and not isinstance(
-                module, RANDOM)
-            if alone:
-                self.handles.append(module.register_forward_pre_hook(self._in(name),
-                                                                     with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._out(name, alone)))
-
-    def _in(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if name not in self.amax and name not in self.inputs:  # an in-place op overwrites
-                self.inputs[name] = map_tensors(lambda t: t.detach().clone(), (args, kwargs))
-        return hook
-
-    def _out(self, name: str, alone: bool) -> Callable:
-        def hook(module: nn.Module, args: Any, out: Any) -> None:
-            if name in self.amax:
-                return
-            found = _first_floats(out)
-            if found is None:
-                self.inputs.pop(name, None)
-                return
-            self.amax[name] = _amax(found)
-            if self.spill is not None:
-                self.spill.put(name, found)
-            if self.ref is not None and name in self.ref:
-                self.end_to_end[name] = compare(found, self.ref.get(name))
-            inputs = self.inputs.pop(name, None)
-            if alone and inputs is not None:
-                self.local[name] = {c.name: _local(module, inputs, c, self.setup, found)
-                                    for c in self.cands}
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.inputs.clear()
-
-
-def _local(module: nn.Module, inputs: Any, cand: Candidate, setup: Setup, want: torch.Tensor
-           ) -> Err:
-    got = _run_alone(module, inputs, cand, setup)
-    return NOT_COMPARED if got is None else compare(got, want)
-
-
 def _keep(net: nn.Module, keep: tuple[str, ...]) -> contextlib.AbstractContextManager:
     from ampnb.selective import keep_fp32
 
@@ -288,7 +193,7 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     scaler = _scaler(cand, setup.device, scale)
     # the reference's weights before its step are the snapshot's (on disk): nothing to copy
     before = weights(net) if ref is not None and narrow(cand.mode) else {}
-    rec = _Recorder(net, setup, setup.spill() if reference else None,
+    rec = Recorder(net, setup.device, setup.spill() if reference else None,
                     ref.outputs if ref is not None else None, local if reference else ())
     grads = _Grads(net, None if reference or ref is None else ref.grads,
                    setup.spill() if reference else None)
@@ -345,7 +250,7 @@ def local_errors(setup: Setup, cands: Sequence[Candidate]) -> dict[str, dict[str
     from ampnb.diagnosis.candidates import REFERENCE, candidate
 
     net, _ = _copy(setup, candidate(REFERENCE, setup.device))
-    rec = _Recorder(net, setup, None, None, cands)
+    rec = Recorder(net, setup.device, None, None, cands)
     seed(setup.seed, setup.device)
     try:
         with torch.no_grad():

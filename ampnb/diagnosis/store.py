@@ -48,10 +48,6 @@ class Store(Mapping):
         """Write what waits for the disk."""
         self.disk.seal()
 
-    def tiers(self) -> dict[str, int]:
-        """How many tensors each tier holds (device or host, disk)."""
-        return {"memory": len(self.near), "disk": len(self.disk)}
-
     def get(self, name: str, default: Any = None) -> Any:
         found = self.near.get(name)
         return found if found is not None else self.disk.get(name, default)

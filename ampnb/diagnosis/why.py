@@ -17,7 +17,7 @@ from ampnb.diagnosis.failures import expected
 from ampnb.diagnosis.profile import Profile, profile_run
 from ampnb.diagnosis.run import Setup, measure
 from ampnb.display import Table, TableView, format_percent, format_seconds
-from ampnb.putback import globals_kept
+from ampnb.putback_state import globals_kept
 from ampnb.start import started
 
 

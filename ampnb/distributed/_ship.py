@@ -198,22 +198,24 @@ def ipython_lines(source: str) -> list[str]:
     return [f"line {n} `{found[n]}`" for n in sorted(found)]
 
 
-def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
-         mode: str | RankSettings | None = None, extra: dict[str, Any] | None = None,
-         source: str | None = None) -> Payload:
-    """The payload for a cell that may use names from ns (ValueError: a name cannot be sent,
-    or a line needs IPython).
-
-    `mode` is a mode's name or the cell's RankSettings; `source` is the cell's whole text
-    (for its tracebacks' lines); `extra` names are sent whatever their name.
-    """
-    cell = body + ("\n" + last.lstrip("\n") if last else "")
-    shell_only = ipython_lines(source if source is not None else cell)  # the cell's line numbers
+def _refuse_ipython(cell: str) -> None:
+    """ValueError naming the cell's lines that need IPython, which the ranks do not run."""
+    shell_only = ipython_lines(cell)
     if shell_only:
         need = "needs" if len(shell_only) == 1 else "need"
         raise ValueError(f"{', '.join(shell_only)} {need} IPython, which the ranks (plain Python "
                          "processes) do not run; write it in Python or run it in a cell "
                          "without --nproc")
+
+
+def pack(body: str, last: str | None, filename: str, ns: dict[str, Any],
+         mode: str | RankSettings | None = None, extra: dict[str, Any] | None = None,
+         source: str | None = None) -> Payload:
+    """The payload for a cell that may use names from ns (ValueError: a name cannot be sent, or a
+    line needs IPython). `mode`: a mode's name or the cell's RankSettings; `source`: the cell's
+    whole text (for its tracebacks' lines); `extra` names are sent whatever their name."""
+    cell = body + ("\n" + last.lstrip("\n") if last else "")
+    _refuse_ipython(source if source is not None else cell)  # the cell's line numbers
     wanted = _loaded_names(compile(cell, filename, "exec")) | set(extra or ())
     optional = _stored_names(cell)  # bound by the cell itself: sent if possible, else skipped
     ns = {**ns, **(extra or {})}

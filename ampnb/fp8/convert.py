@@ -165,6 +165,30 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if p is None else p.device
 
 
+def _check_options(matmul: str, enabled: bool | None, compile: bool | None) -> None:
+    """ValueError naming an emulation or compile option that is not allowed."""
+    if matmul not in MATMULS:
+        raise ValueError(f"matmul={matmul!r} is not allowed; allowed: {', '.join(MATMULS)}")
+    if not (enabled is None or isinstance(enabled, bool)):
+        raise ValueError(f"enabled={enabled!r} is not allowed; allowed: True, False or None")
+    if compile is not None and not isinstance(compile, bool):
+        raise ValueError(f"compile={compile!r} is not allowed; allowed: None, True or False")
+
+
+def _convert_by(chosen: Backend, target: nn.Module, r: Fp8Recipe, matmul: str,
+                enabled: bool | None) -> nn.Module:
+    """The model's layers converted by the chosen backend."""
+    if chosen.name == "torchao":
+        return convert_torchao(target, r, chosen.emulate)
+    if chosen.name == "te":
+        from ampnb.fp8.te import convert_to_te  # imports transformer_engine
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the report's warning names the same layers
+            return convert_to_te(target)
+    return _convert(target, r, matmul, enabled)
+
+
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
                    backend: str = "auto", inplace: bool = False, matmul: str = "auto",
                    enabled: bool | None = True, emulate: bool = False,
@@ -199,12 +223,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
         raise ValueError(f"no layer of this {type(model).__name__} can run in FP8: {why}"
                          f"{f' (left out: {rest})' if rest else ''}; "
                          "it would train entirely in higher precision")
-    if matmul not in MATMULS:
-        raise ValueError(f"matmul={matmul!r} is not allowed; allowed: {', '.join(MATMULS)}")
-    if not (enabled is None or isinstance(enabled, bool)):
-        raise ValueError(f"enabled={enabled!r} is not allowed; allowed: True, False or None")
-    if compile is not None and not isinstance(compile, bool):
-        raise ValueError(f"compile={compile!r} is not allowed; allowed: None, True or False")
+    _check_options(matmul, enabled, compile)
     # A bad recipe name or backend fails here, before the model is touched.
     given = None if recipe is None else from_recipe_name(recipe)
     chosen = choose(backend, _device(model), given, emulate)
@@ -214,16 +233,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | str | None = None, *,
     r = given or RECIPES["tensorwise" if chosen.name == "torchao" else "delayed"]
     chosen = dataclasses.replace(chosen, recipe=recipe_said(chosen.name, r, given is None))
     target = model if inplace else copy.deepcopy(model)
-    if chosen.name == "torchao":
-        target = convert_torchao(target, r, chosen.emulate)
-    elif chosen.name == "te":
-        from ampnb.fp8.te import convert_to_te  # imports transformer_engine
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the report's warning below names the same layers
-            target = convert_to_te(target)
-    else:
-        target = _convert(target, r, matmul, enabled)
+    target = _convert_by(chosen, target, r, matmul, enabled)
     report = dataclasses.replace(fp8_report(target), backend=chosen)
     if chosen.name == "torchao":  # its own rule for which layers it takes
         report = dataclasses.replace(report, layers=tuple(

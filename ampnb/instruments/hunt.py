@@ -270,12 +270,7 @@ class Hunter(OpWatch):
         with internal():  # the checks stay out of a trace running at the same time
             if all(_finite(t) for t in outs):
                 if self._chains and name not in _SHAPE_ONLY and (outs or _ends_chains(out)):
-                    for t in ins:  # their inf/NaN was used up here: masked away, cast
-                        chain = self._chains.get(t)
-                        if chain is not None and chain.state == _PENDING:
-                            chain.state = _ENDED
-                    for t in written_to:  # now finite: no longer carries a chain
-                        self._chains.pop(t)
+                    self._end_chains(ins, written_to)
                 return out
             for t in outs:
                 self._made[t] = True
@@ -305,6 +300,16 @@ class Hunter(OpWatch):
                 else:
                     self._chains[t] = chain
         return out
+
+    def _end_chains(self, ins: list, written_to: list) -> None:
+        """A finite result: the inputs' inf/NaN was used up here (masked away, cast), and a tensor
+        written to no longer carries a chain."""
+        for t in ins:
+            chain = self._chains.get(t)
+            if chain is not None and chain.state == _PENDING:
+                chain.state = _ENDED
+        for t in written_to:
+            self._chains.pop(t)
 
     def _settle(self) -> tuple[NonFinite | None, tuple[NonFinite, ...]]:
         """(the cause, the inf/NaN made and discarded) from the chains as they stand."""

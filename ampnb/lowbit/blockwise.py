@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -67,23 +66,6 @@ def absmax_scale(flat: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torc
     return absmax, scaled.reshape(-1)[:n]
 
 
-@dataclass(frozen=True)
-class Blockwise:
-    """A tensor in 8-bit dynamic block-wise form: one uint8 code per value, one fp32 absmax per block."""
-
-    codes: torch.Tensor   # uint8, the tensor's shape
-    absmax: torch.Tensor  # float32, one per block
-    signed: bool
-    blocksize: int
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_blockwise(self.codes, self.absmax, dynamic_map(self.signed), self.blocksize, dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() + 4 * self.absmax.numel()
-
-
 def check_blocksize(blocksize: int) -> int:
     """blocksize, or ValueError naming it and what is allowed."""
     if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 1:
@@ -107,9 +89,3 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: torch.
     pad = (-values.numel()) % blocksize
     out = torch.cat([values, values.new_zeros(pad)]).reshape(-1, blocksize) * absmax[:, None]
     return out.reshape(-1)[: codes.numel()].reshape(codes.shape).to(dtype)
-
-
-def blockwise(x: torch.Tensor, signed: bool = True, blocksize: int = 256) -> Blockwise:
-    """x in the dynamic 8-bit map, block-wise (signed for Adam's exp_avg, unsigned for exp_avg_sq)."""
-    codes, absmax = quantize_blockwise(x, dynamic_map(signed), blocksize)
-    return Blockwise(codes, absmax, signed, blocksize)

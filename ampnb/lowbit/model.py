@@ -237,6 +237,32 @@ def _effective(layer: nn.Module, f: LowBitFormat) -> torch.Tensor:
     return quantize_weight(w.detach().half(), f).dequantize().float()  # int8-training: per forward
 
 
+def _check_ignore(ignore_modules: Any) -> tuple[str, ...]:
+    """The name prefixes to leave alone (ValueError: not a collection of strings)."""
+    ignore = tuple(ignore_modules) if isinstance(ignore_modules, Iterable) and not isinstance(
+        ignore_modules, str) else None
+    if ignore is None or not all(isinstance(p, str) for p in ignore):
+        hint = f", e.g. {{{ignore_modules!r}}}" if isinstance(ignore_modules, str) else \
+            ", e.g. {'lm_head'}"
+        raise ValueError(f"ignore_modules={ignore_modules!r} is not allowed; allowed: a set of "
+                         f"module name prefixes{hint}")
+    return ignore
+
+
+def _quantize_bare(model: nn.Module, f: LowBitFormat, dtype: torch.dtype, ignore: tuple[str, ...],
+                   inplace: bool, inputs: Any, use_bitsandbytes: bool
+                   ) -> tuple[nn.Module, LowBitReport]:
+    """A bare layer quantized as the one child of a holder (the caller holds the layer)."""
+    if inplace:
+        raise ValueError(f"inplace=True cannot replace a bare {type(model).__name__} that the "
+                         "caller holds; allowed: inplace=False (the quantized layer is "
+                         "returned) or a model containing the layer")
+    holder, report = quantize_model(nn.Sequential(model), f, dtype=dtype, ignore_modules=ignore,
+                                    inputs=inputs, use_bitsandbytes=use_bitsandbytes)
+    layers = tuple(dataclasses.replace(e, name="(model)") for e in report.layers)
+    return holder[0], dataclasses.replace(report, layers=layers)
+
+
 def quantize_model(model: nn.Module, mode: str | LowBitFormat, *, dtype: torch.dtype | None = None,
                    ignore_modules: Iterable[str] = (), inplace: bool = False, inputs: Any = None,
                    use_bitsandbytes: bool = True) -> tuple[nn.Module, LowBitReport]:
@@ -258,25 +284,12 @@ def quantize_model(model: nn.Module, mode: str | LowBitFormat, *, dtype: torch.d
     if not isinstance(model, nn.Module):
         raise ValueError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
     dtype = _check_dtype(f, dtype)
-    ignore = tuple(ignore_modules) if isinstance(ignore_modules, Iterable) and not isinstance(
-        ignore_modules, str) else None
-    if ignore is None or not all(isinstance(p, str) for p in ignore):
-        hint = f", e.g. {{{ignore_modules!r}}}" if isinstance(ignore_modules, str) else \
-            ", e.g. {'lm_head'}"
-        raise ValueError(f"ignore_modules={ignore_modules!r} is not allowed; allowed: a set of "
-                         f"module name prefixes{hint}")
+    ignore = _check_ignore(ignore_modules)
     bnb = _bitsandbytes_ready(model) if use_bitsandbytes else None
     if any(_is_lowbit(m) for m in model.modules()):
         return _already(model, f, dtype, inplace)
     if kind_of(model) is not None:  # a bare layer: quantized as the one child of a holder
-        if inplace:
-            raise ValueError(f"inplace=True cannot replace a bare {type(model).__name__} that the "
-                             "caller holds; allowed: inplace=False (the quantized layer is "
-                             "returned) or a model containing the layer")
-        holder, report = quantize_model(nn.Sequential(model), f, dtype=dtype, ignore_modules=ignore,
-                                        inputs=inputs, use_bitsandbytes=use_bitsandbytes)
-        layers = tuple(dataclasses.replace(e, name="(model)") for e in report.layers)
-        return holder[0], dataclasses.replace(report, layers=layers)
+        return _quantize_bare(model, f, dtype, ignore, inplace, inputs, use_bitsandbytes)
     target = model if inplace else copy.deepcopy(model)
     before = _layer_outputs(model, inputs) if inputs is not None and not inplace else None
     swaps, errors, taken = [], [], []

@@ -182,11 +182,6 @@ class ScalerStepper:
         return self.state.last_grads
 
     @property
-    def current_stage(self) -> stage_table.Stage:
-        """The stage that runs next (or is running)."""
-        return self._plan[self._cursor]
-
-    @property
     def next_stage_name(self) -> str:
         return self._plan[self._cursor].name
 

@@ -129,15 +129,15 @@ class Watch(Backwards, Ending):
 
     def plot(self, ax: Any = None) -> Any:
         """Scale, skipped steps and headroom per layer over steps."""
-        from ampnb.plots.watch import plot_records
+        from ampnb.display import view
 
-        return plot_records(self.records, ax=ax)
+        return view("watch.plot")(self.records, ax=ax)
 
     def panel(self) -> Any:
         """A live ipywidgets view of the records."""
-        from ampnb.panels.watch_panel import WatchPanel
+        from ampnb.display import view
 
-        return WatchPanel(self)
+        return view("watch.panel")(self)
 
     @critical
     def close(self) -> None:
