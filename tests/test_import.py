@@ -277,7 +277,7 @@ def test_the_room_graph_sees_function_level_and_relative_imports(tmp_path):
     assert rooms_importing_each_other({("a", "b"): ["a.py:1"]}) == []
     source = tmp_path / "rel.py"
     source.write_text("def f():\n    from .. import formats\n    from ..device import hardware\n")
-    sites = _import_sites("ampnb.watch.rel", source, _modules())
+    sites = _import_sites("ampnb.watcher.rel", source, _modules())
     assert ("ampnb.formats", 2) in sites and ("ampnb.device.hardware", 3) in sites
 
 
