@@ -22,7 +22,7 @@ from watch_models import Spike
 from ampnb.formats import get_format
 from ampnb.integrations import lightning as integration
 from ampnb.integrations.lightning import PrecisionMonitor
-from ampnb.watcher import read_log
+from ampnb.watchlog import read_log
 
 K = 3       # the step whose forward overflows
 STEPS = 6

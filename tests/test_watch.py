@@ -12,7 +12,7 @@ from torch import nn
 from watch_models import Planted, batches, run
 
 import ampnb
-from ampnb.watcher import read_log
+from ampnb.watchlog import read_log
 
 
 def _pair(**kw):

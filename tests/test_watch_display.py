@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ampnb.scaler.records import format_scale
-from ampnb.watcher import records as rec
+from ampnb.watchlog import records as rec
 from ampnb.watchlog.records import LayerStats, StepRecord, read_log
 from ampnb.watchlog.table import layers_table, records_table
 

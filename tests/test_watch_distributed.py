@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ampnb.distributed import run_distributed
-from ampnb.watcher import read_log
+from ampnb.watchlog import read_log
 from ampnb.watchlog.records import log_path
 from ampnb.watchlog.table import summarize
 

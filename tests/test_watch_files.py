@@ -18,7 +18,7 @@ import torch
 from watch_models import Planted, batches, run
 
 import ampnb
-from ampnb.watcher import read_log
+from ampnb.watchlog import read_log
 from ampnb.watchlog.records import LayerStats, StepRecord
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from watch_models import Blowup, Planted, batches, run
 
 import ampnb
-from ampnb.watcher import read_log
+from ampnb.watchlog import read_log
 
 
 def _opt(m):
