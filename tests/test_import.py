@@ -106,7 +106,7 @@ def test_every_public_name_is_listed_and_resolves():
     """)
     assert PUBLIC <= set(found["all"]) and found["dir"] == found["all"]
     submodules = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
-                  "lowbit", "distributed", "integrations"}
+                  "lowbit", "distributed", "integrations", "watcher", "watchlog", "diagnosis"}
     assert {n for n, kind in found["kinds"].items() if kind == "module"} == submodules
     with pytest.raises(AttributeError, match="module 'ampnb' has no attribute 'nope'"):
         ampnb.nope  # noqa: B018
