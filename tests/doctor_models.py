@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -245,14 +247,40 @@ CPU_CLASSES = {
 SLEPT: dict[torch.dtype, float] = {}  # seconds slept by Nap, by the dtype it was handed
 
 
+def _sleep(dtype: torch.dtype, seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+    SLEPT[dtype] = SLEPT.get(dtype, 0.0) + seconds
+
+
+class _NapInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps (a slow backward kernel, planted)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds, ctx.dtype = seconds, h.dtype
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _sleep(ctx.dtype, ctx.seconds)
+        return g, None
+
+
 class Nap(nn.Module):
-    """Sleeps the seconds it is given, counted in SLEPT: a piece of a planted slow forward."""
+    """Sleeps the seconds it is given (in its forward, or in its backward where `backward`),
+    counted in SLEPT: a piece of a planted slow step."""
+
+    def __init__(self, backward: bool = False) -> None:
+        super().__init__()
+        self.backward = backward
 
     def forward(self, h: torch.Tensor, seconds: float) -> torch.Tensor:
-        import time
-
-        time.sleep(seconds)
-        SLEPT[h.dtype] = SLEPT.get(h.dtype, 0.0) + seconds
+        if self.backward and torch.is_grad_enabled():
+            return _NapInBackward.apply(h, seconds)
+        if not self.backward:
+            _sleep(h.dtype, seconds)
         return h
 
 
@@ -261,14 +289,17 @@ class SleepyOverflow(ForwardOverflow):
     that under bf16 autocast (an AVX2 CPU's bf16, planted), slept in `pieces` naps: plain steps
     long and steady enough for the doctor's budget to be counted in them on any CPU, however
     loaded. `overflow=False`: the same model without the plant; `whole_batch_only`: bf16 slow on
-    the whole batch only (a slice of it, as the doctor's probe takes, runs at fp32's speed)."""
+    the whole batch only (a slice of it, as the doctor's probe takes, runs at fp32's speed);
+    `slow_backward`: bf16's slowdown in the backward only (its forward at fp32's speed)."""
 
     def __init__(self, per_sample: float = 0.5 / 64, bf16_slowdown: float = 8.0,
-                 overflow: bool = True, pieces: int = 1, whole_batch_only: bool = False) -> None:
+                 overflow: bool = True, pieces: int = 1, whole_batch_only: bool = False,
+                 slow_backward: bool = False) -> None:
         super().__init__()
         self.per_sample, self.bf16_slowdown, self.pieces = per_sample, bf16_slowdown, pieces
         self.whole_batch_only = whole_batch_only  # bf16 slow only on batches over 8 samples
         self.nap = Nap()
+        self.slow_backward = Nap(backward=True) if slow_backward else None
         if not overflow:
             with torch.no_grad():
                 self.up.weight.div_(3e5)
@@ -278,5 +309,9 @@ class SleepyOverflow(ForwardOverflow):
         slow = self.bf16_slowdown if h.dtype == torch.bfloat16 and not (
             self.whole_batch_only and x.shape[0] <= 8) else 1.0
         for _ in range(self.pieces):
-            h = self.nap(h, self.per_sample * slow * x.shape[0] / self.pieces)
+            if self.slow_backward is not None:  # the planted slowdown in the backward only
+                h = self.nap(h, self.per_sample * x.shape[0] / self.pieces)
+                h = self.slow_backward(h, self.per_sample * (slow - 1) * x.shape[0] / self.pieces)
+            else:
+                h = self.nap(h, self.per_sample * slow * x.shape[0] / self.pieces)
         return self.head(self.norm(self.up(h)))

@@ -73,11 +73,12 @@ def reset(setup: Setup, net: nn.Module) -> None:
 
 
 def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.Optimizer,
-               ref: StepResult | None, clock: Clock, within: float = math.inf) -> StepResult:
+               ref: StepResult | None, clock: Clock, within: float = math.inf,
+               forward: float = math.inf) -> StepResult:
     """A mode's step from the snapshot, its unscaled gradients compared with `ref`'s as they are
     read (`ref` None: the reference, whose gradients are kept). A GradScaler that skips the step
     halves its scale and steps again, as training would: each of those steps counts. A forward
-    past its share of `within` seconds is stopped (deadline.Stopped)."""
+    past `forward` seconds, or a backward past `within`, is stopped (deadline.Stopped)."""
     scaler = cand.mode.make_scaler(setup.device)
     store = setup.spill() if ref is None else None
     skipped = 0
@@ -86,7 +87,7 @@ def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.O
         with cand.context(setup.device), MemoryMeter(setup.device) as meter:
             sync(setup.device)
             t0 = time.perf_counter()
-            with until(net, FORWARD_SHARE * within):
+            with until(net, forward, backward=within):
                 out = _step(net, opt, setup, cand, scaler, grads)
             sync(setup.device)
             seconds = time.perf_counter() - t0
@@ -209,20 +210,27 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
     too_large, failed = list(head.too_large), list(head.failed)
     runs = dict(head.runs)
     scalers: dict[str, torch.amp.GradScaler | None] = {}
+    # the headline's modes that always run are timed once whatever is left: kept in hand
+    committed = plain + sum(estimates[c.name] for c, _ in priced
+                            if _sure(c, estimates, clock)) if must else 0.0
     for c, key in sorted(priced, key=lambda ck: estimates[ck[0].name]):
-        if not _startable(c, estimates, prices, too_large, clock) or not (
-                must and _sure(c, estimates, clock)) and not _fits(c, runs, estimates, clock):
-            continue
+        sure = must and _sure(c, estimates, clock)
+        with clock.held(0.0 if sure else committed):
+            if not _startable(c, estimates, prices, too_large, clock) or not sure and not _fits(
+                    c, runs, estimates, clock):
+                continue
+            within = _within(runs, clock, sure)
         reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
-        within = _within(runs, clock)
+        # a mode that always runs may take all of it in its forward (fp16 kernels' first calls)
+        forward = within if sure else FORWARD_SHARE * within
         try:
-            runs[c.name] = first_step(setup, c, *copies[key], head.ref, clock, within)
+            runs[c.name] = first_step(setup, c, *copies[key], head.ref, clock, within, forward)
         except Stopped:  # the slice priced it lower than the whole batch costs (small slices)
-            clock.skip(f"{c.name}: its step", f"its first step was stopped: its forward alone "
-                       f"passed about {FORWARD_SHARE * within / plain:.1f} plain steps, a third of "
-                       f"what was left (its forward on a slice of the batch had priced the step "
-                       f"at about {estimates[c.name] / plain:.1f})")
+            clock.skip(f"{c.name}: its step", f"its first step was stopped past about "
+                       f"{within / plain:.1f} plain steps, what it could take (its forward past "
+                       f"{forward / plain:.1f}); its forward on a slice of the batch had priced it "
+                       f"at about {estimates[c.name] / plain:.1f}")
             continue
         except (RuntimeError, TypeError) as e:  # a kernel this CPU lacks, dtypes that clash
             failed.append(f"{c.name}: its step failed here ({type(e).__name__}: "
@@ -279,12 +287,13 @@ def _startable(c: Candidate, estimates: dict[str, float], prices: Prices, too_la
     return not stopped
 
 
-def _within(runs: dict[str, StepResult], clock: Clock) -> float:
-    """Seconds a mode's first step may take: what is left (the islands of a mode that broke kept
-    in hand), and never less than twice SURE plain steps (a mode that always runs)."""
+def _within(runs: dict[str, StepResult], clock: Clock, sure: bool) -> float:
+    """Seconds a mode's first step may take: what is left (the islands of a mode that broke and
+    what the clock holds kept in hand); for a mode that always runs, never less than twice SURE
+    plain steps."""
     broken = any(not r.finite for r in runs.values())
     hand = clock.plain + clock.reserve + (ISLANDS_STEPS * clock.plain if broken else 0.0)
-    return max((clock.left - hand) / SAFETY, 2 * SURE * clock.plain)
+    return max((clock.left - hand) / SAFETY, 2 * SURE * clock.plain if sure else 0.0)
 
 
 def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float], clock: Clock
