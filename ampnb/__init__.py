@@ -42,10 +42,12 @@ _EXPORTS: dict[str, str] = {
     "emulated_fp16_kernels": "ampnb.fp16_kernels",
     "run_distributed": "ampnb.distributed",
     "what_if": "ampnb.whatif",
+    "watch": "ampnb.watcher",
     "WhatIf": "ampnb.whatif",
 }
 _SUBMODULES = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
-               "lowbit", "distributed", "watch", "integrations"}
+               "lowbit", "distributed", "watcher", "watchlog", "diagnosis",
+               "integrations"}
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES)
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import inspect
-import sys
-import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,27 +29,3 @@ def lazy_exports(package: str, exports: dict[str, str], submodules: Iterable[str
         return list(names)
 
     return __getattr__, __dir__, names
-
-
-def callable_package(package: str, function: Callable[..., Any]) -> None:
-    """Make the (imported) package `package` callable as `function`, with its signature and doc.
-
-    For a public name that is both a function and a package (`ampnb.watch(...)`,
-    `ampnb.watch.records`): however the package was first reached, `inspect.signature` and
-    Jupyter's Shift-Tab show the function's parameters and docstring, not `(*args, **kwargs)`.
-    """
-    module = sys.modules[package]
-
-    def __call__(self: types.ModuleType, *args: Any, **kwargs: Any) -> Any:
-        return function(*args, **kwargs)
-
-    signature = inspect.signature(function)
-    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-    __call__.__doc__ = function.__doc__
-    __call__.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])
-    kind = type(f"Callable{function.__name__.title()}Package", (types.ModuleType,),
-                {"__call__": __call__, "__module__": __name__})
-    module.__class__ = kind
-    module.__signature__ = signature  # what inspect.signature(module) returns
-    docs = (inspect.getdoc(function), inspect.cleandoc(module.__doc__ or ""))
-    module.__doc__ = "\n\n".join(filter(None, docs))

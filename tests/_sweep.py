@@ -105,11 +105,12 @@ def points(total: int, budget: int) -> list[int]:
     return sorted({1 + round(i * (total - 1) / (budget - 1)) for i in range(budget)})
 
 
-def _foreign_generator(obj: Any) -> bool:
-    """A generator whose closing as it is collected loses an interrupt whatever ampnb does:
-    torch's, or any generator expression (`any(genexpr)` stopping early; it holds no cleanup,
-    and CPython 3.11 resumes it to close it)."""
-    code = getattr(obj, "gi_code", None)
+def _foreign_finalizer(obj: Any) -> bool:
+    """A finalizer that loses an interrupt whatever ampnb does: closing a generator as it is
+    collected (torch's, or any generator expression: `any(genexpr)` stopping early; it holds no
+    cleanup, and CPython 3.11 resumes it to close it), or another library's garbage-collector
+    callback (hypothesis registers one) that an interrupt lands in."""
+    code = getattr(obj, "gi_code", None) or getattr(getattr(obj, "__func__", obj), "__code__", None)
     return code is not None and (code.co_name == "<genexpr>"
                                  or not code.co_filename.startswith(PACKAGE))
 
@@ -127,7 +128,7 @@ def interrupt_at(k: int, fn: Callable[[], Any], events: str = "lines"
     finally:
         sys.unraisablehook = previous
     lost = [u for u in unraisable if issubclass(u.exc_type, KeyboardInterrupt)]
-    if lost and all(_foreign_generator(u.object) for u in lost):
+    if lost and all(_foreign_finalizer(u.object) for u in lost):
         # closing a generator torch's code left suspended (`all(genexpr)` stopping early) as
         # it is collected: CPython loses an interrupt landing there with or without ampnb
         return None, []

@@ -98,7 +98,7 @@ CASES = [
      "repeat=1000000000"),
     ("doctor device=''", _mlp, lambda m: ampnb.doctor(m, _xy(), MSE, device=""), "device=''"),
     ("profile_step modes=123", _mlp,
-     lambda m: ampnb.doctor.profile_step(m, _xy(), MSE, modes=123), "modes=123"),
+     lambda m: ampnb.diagnosis.profile_step(m, _xy(), MSE, modes=123), "modes=123"),
 ]
 
 
@@ -139,7 +139,7 @@ def test_what_torch_rejects_keeps_torch_error_and_says_what_was_expected(run, fa
     model = factory()
     before = copy.deepcopy(model.state_dict())
     state = snapshot()
-    call = ampnb.doctor if run == "doctor" else ampnb.doctor.profile_step
+    call = ampnb.doctor if run == "doctor" else ampnb.diagnosis.profile_step
     kwargs = FAST if run == "doctor" else dict(modes="32-true")
     with pytest.raises(ValueError) as e:
         call(model, batch(), loss_fn, **kwargs)

@@ -152,21 +152,22 @@ def test_bad_model_and_optimizer():
         ampnb.doctor(Plain(), None, CE)
 
 
-def test_doctor_is_a_plain_function_carrying_profile_step():
+def test_doctor_is_a_plain_function_and_profile_step_lives_in_diagnosis():
     import inspect
 
     from ampnb.diagnosis import doctor
     from ampnb.diagnosis.why import profile_step
 
     assert inspect.isfunction(ampnb.doctor) and ampnb.doctor is doctor
-    assert ampnb.doctor.profile_step is profile_step
+    assert ampnb.diagnosis.profile_step is profile_step
     assert "tolerance" in str(inspect.signature(ampnb.doctor))
+    assert not hasattr(ampnb.doctor, "profile_step") and not hasattr(ampnb.doctor, "replay")
 
 
 def test_profile_step_splits_op_time_by_dtype():
     model, opt = _trained()
     before = _picture(model, opt)
-    prof = ampnb.doctor.profile_step(model, data(), CE, optimizer=opt,
+    prof = ampnb.diagnosis.profile_step(model, data(), CE, optimizer=opt,
                                      modes=("32-true", "bf16-mixed"))
     _same(before, _picture(model, opt))
     ref, bf16 = prof.profiles

@@ -106,7 +106,7 @@ def test_every_public_name_is_listed_and_resolves():
     """)
     assert PUBLIC <= set(found["all"]) and found["dir"] == found["all"]
     submodules = {"formats", "modes", "device", "models", "instruments", "plots", "panels", "fp8",
-                  "lowbit", "distributed", "integrations"}
+                  "lowbit", "distributed", "integrations", "watcher", "watchlog", "diagnosis"}
     assert {n for n, kind in found["kinds"].items() if kind == "module"} == submodules
     with pytest.raises(AttributeError, match="module 'ampnb' has no attribute 'nope'"):
         ampnb.nope  # noqa: B018
@@ -277,7 +277,7 @@ def test_the_room_graph_sees_function_level_and_relative_imports(tmp_path):
     assert rooms_importing_each_other({("a", "b"): ["a.py:1"]}) == []
     source = tmp_path / "rel.py"
     source.write_text("def f():\n    from .. import formats\n    from ..device import hardware\n")
-    sites = _import_sites("ampnb.watch.rel", source, _modules())
+    sites = _import_sites("ampnb.watcher.rel", source, _modules())
     assert ("ampnb.formats", 2) in sites and ("ampnb.device.hardware", 3) in sites
 
 

@@ -22,7 +22,7 @@ from watch_models import Spike
 from ampnb.formats import get_format
 from ampnb.integrations import lightning as integration
 from ampnb.integrations.lightning import PrecisionMonitor
-from ampnb.watch import read_log
+from ampnb.watchlog import read_log
 
 K = 3       # the step whose forward overflows
 STEPS = 6
@@ -149,7 +149,7 @@ def test_the_step_kept_inside_fit_replays_to_the_planted_op(tmp_path):
     _fit(MarkedNet(), [monitor], data=_data(marked=K), init_scale=2.0**8)
     assert [r.skipped for r in monitor.records] == [s == K for s in range(STEPS)]
     assert monitor.records[K].first_module == "boom"
-    replay = ampnb.doctor.replay(monitor.watch.overflow_file, MarkedNet())
+    replay = ampnb.diagnosis.replay(monitor.watch.overflow_file, MarkedNet())
     assert replay.step == K and replay.scale == monitor.records[K].scale
     found = replay.nonfinite
     assert found.found and found.module == "boom" and found.phase == "forward"

@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from ampnb.formats import get_format  # noqa: E402
 from ampnb.integrations.transformers import PrecisionMonitorCallback  # noqa: E402
-from ampnb.watch.table import records_table  # noqa: E402
+from ampnb.watchlog.table import records_table  # noqa: E402
 
 K = 2       # the step whose forward overflows
 STEPS = 5

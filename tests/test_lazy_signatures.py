@@ -1,5 +1,6 @@
 """A lazily exported name shows what it is: Shift-Tab and `inspect.signature` give the real
-parameters and docstring of every public callable, `ampnb.watch` (a callable package) included."""
+parameters and docstring of every public callable; every public entry point is a plain function
+or a class."""
 
 from __future__ import annotations
 
@@ -58,18 +59,28 @@ def test_no_public_callable_shows_a_bare_star_args_signature(package, name):
         assert not _bare(inspect.signature(found)), f"{package}.{name}{inspect.signature(found)}"
 
 
-def test_the_callable_watch_package_has_watchs_signature_and_docstring():
-    from ampnb.watch.core import watch
+@pytest.mark.parametrize("package, name", _exports())
+def test_public_entry_points_are_plain_functions_or_classes(package, name):
+    """No module made callable, no function carrying others as attributes: what a function
+    carried has its own public name (ampnb.diagnosis.replay, ampnb.watchlog.read_log)."""
+    found = getattr(importlib.import_module(package), name)
+    if callable(found):  # a cached function (functools.lru_cache) is a plain function too
+        plain = inspect.isfunction(inspect.unwrap(found))
+        assert plain or isinstance(found, type), f"{package}.{name}: {found!r}"
+        carried = sorted(k for k in getattr(found, "__dict__", {}) if not k.startswith("_"))
+        assert not inspect.isfunction(found) or not carried, f"{package}.{name} carries {carried}"
 
-    assert inspect.signature(ampnb.watch) == inspect.signature(watch)
-    assert inspect.getdoc(ampnb.watch).startswith(inspect.getdoc(watch))
-    assert ampnb.watch.__call__.__doc__ == watch.__doc__
-    assert list(inspect.signature(ampnb.watch.__call__).parameters) == list(
-        inspect.signature(watch).parameters)
+
+def test_watch_and_doctor_are_plain_functions():
+    from ampnb.diagnosis.core import doctor
+    from ampnb.watcher.core import watch
+
+    assert ampnb.watch is watch and ampnb.doctor is doctor
+    assert inspect.isfunction(ampnb.watch) and inspect.isfunction(ampnb.doctor)
 
 
-@pytest.mark.parametrize("first", ["import ampnb", "import ampnb.watch.records",
-                                   "from ampnb.watch import Watch"])
+@pytest.mark.parametrize("first", ["import ampnb", "import ampnb.watchlog.records",
+                                   "from ampnb.watcher import Watch"])
 def test_shift_tab_shows_watchs_parameters_however_watch_was_reached(first):
     code = (f"{first}\nimport ampnb\nfrom IPython.core.oinspect import Inspector\n"
             "info = Inspector(theme_name='nocolor').info(ampnb.watch)\n"

@@ -323,7 +323,7 @@ def test_an_interrupt_at_any_line_of_the_safety_net_leaves_torch_state():
 # moved out of workbench/state.py altogether).
 OLD_HOMES = {"start.py": "start.py", "_state.py": "_state.py", "diagnosis/safety.py": "diagnosis/core.py",
              "comparison/snapshot.py": "comparison/snapshot.py",
-             "workbench/state.py": "workbench/core.py", "watch/overflow.py": "watch/core.py"}
+             "workbench/state.py": "workbench/core.py", "watcher/overflow.py": "watcher/core.py"}
 
 # Reading or setting a generator, or the global state the safety net puts back, by hand.
 OWN_COPIES = [r"get_rng_state", r"set_rng_state", r"random\.getstate", r"random\.setstate",

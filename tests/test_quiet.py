@@ -34,7 +34,7 @@ def test_the_doctors_profile_is_quiet():
     code = ("import torch, ampnb\n"
             "from ampnb.models import demo\n"
             "d = demo('mlp')\n"
-            "ampnb.doctor.profile_step(d.model, d.batches[0], d.loss_fn, modes=['bf16-mixed'])\n")
+            "ampnb.diagnosis.profile_step(d.model, d.batches[0], d.loss_fn, modes=['bf16-mixed'])\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, check=True)
     assert "profiler_start" not in done.stderr and "profiler_stop" not in done.stderr

@@ -1,5 +1,5 @@
 """A kept step is data (#41, security): what `keep_overflow` writes loads with
-`torch.load(weights_only=True)`, `ampnb.doctor.replay` loads nothing else, checks `model=` before
+`torch.load(weights_only=True)`, `ampnb.diagnosis.replay` loads nothing else, checks `model=` before
 it reads the file, and unpickles the watched model only when told `trust_pickled_model=True`."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from watch_models import Blowup, Planted, batches, run
 
 import ampnb
-from ampnb.watch.overflow import target
+from ampnb.watcher.overflow import target
 
 K = 1  # the planted step
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def test_the_kept_step_loads_with_weights_only_and_replays(tmp_path):
     data = torch.load(file, weights_only=True)  # raised UnpicklingError before
     assert data["step"] == K and isinstance(data["model"], bytes)
     assert isinstance(data["rng"]["numpy"][1], torch.Tensor)
-    r = ampnb.doctor.replay(file, model=Structured())
+    r = ampnb.diagnosis.replay(file, model=Structured())
     assert (r.micro_batch, r.nonfinite.op, r.nonfinite.module) == (0, "mul", "blowup")
 
 
@@ -94,7 +94,7 @@ def test_a_crafted_file_runs_nothing_and_is_refused_in_one_line(tmp_path, how):
     if "trust" in how:
         kwargs["trust_pickled_model"] = True
     with pytest.raises(ValueError) as e:
-        ampnb.doctor.replay(file, **kwargs)
+        ampnb.diagnosis.replay(file, **kwargs)
     assert not marker.exists()  # nothing of the file ran
     msg = str(e.value)
     assert "\n" not in msg and "trust_pickled_model" in msg
@@ -107,10 +107,10 @@ def test_model_is_checked_before_the_file_is_read(tmp_path):
     file = _crafted(tmp_path, marker)
     for bad in ({"model": "Planted"}, {"model": Planted(), "trust_pickled_model": "yes"}):
         with pytest.raises(ValueError) as e:
-            ampnb.doctor.replay(file, **bad)
+            ampnb.diagnosis.replay(file, **bad)
         assert "\n" not in str(e.value) and not marker.exists()
     with pytest.raises(ValueError, match="model=") as e:
-        ampnb.doctor.replay(file)
+        ampnb.diagnosis.replay(file)
     assert not marker.exists()
 
 
@@ -127,13 +127,13 @@ def test_the_pickled_model_is_unpickled_only_when_trusted(tmp_path):
     torch.save(Marker(marker), buf)
     data["model"] = buf.getvalue()  # the pickled model replaced by code
     torch.save(data, file)
-    r = ampnb.doctor.replay(file, model=Planted(seed=5))  # model=: the pickle is never read
+    r = ampnb.diagnosis.replay(file, model=Planted(seed=5))  # model=: the pickle is never read
     assert not marker.exists() and r.nonfinite.module == "blowup"
     with pytest.raises(ValueError, match="trust_pickled_model=True"):
-        ampnb.doctor.replay(file)
+        ampnb.diagnosis.replay(file)
     assert not marker.exists()
     with pytest.raises(ValueError, match="not an nn.Module"):
-        ampnb.doctor.replay(file, trust_pickled_model=True)  # the opt-in: now it runs
+        ampnb.diagnosis.replay(file, trust_pickled_model=True)  # the opt-in: now it runs
     assert marker.exists()
 
 
@@ -150,7 +150,7 @@ def test_weights_only_false_appears_only_behind_the_opt_in():
 def test_a_model_of_another_class_is_refused_in_one_line(tmp_path):
     file = _kept(tmp_path)
     with pytest.raises(ValueError) as e:
-        ampnb.doctor.replay(file, model=nn.Linear(8, 4))
+        ampnb.diagnosis.replay(file, model=nn.Linear(8, 4))
     assert "\n" not in str(e.value) and "Structured" in str(e.value)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from watch_models import Planted, batches, run
 
 import ampnb
-from ampnb.watch import read_log
+from ampnb.watchlog import read_log
 
 
 def _pair(**kw):
@@ -284,12 +284,12 @@ def test_bad_input_is_one_line_and_touches_nothing(case):
 
 
 def test_ampnb_watch_is_callable_however_it_was_reached():
-    import ampnb.watch.records  # noqa: F401 - importing a submodule sets the attribute
+    import ampnb.watchlog.records  # noqa: F401 - importing a submodule sets the attribute
 
     m, opt = _pair()
     with ampnb.watch(m, opt) as w:
         pass
-    assert isinstance(w, ampnb.watch.Watch)
+    assert isinstance(w, ampnb.watcher.Watch)
 
 
 def test_a_backward_overflow_names_the_module_the_hunter_names_on_stats_steps():

@@ -300,7 +300,7 @@ def test_a_checkpointed_overflow_is_named_at_the_layer_inside(reentrant):
 
 @pytest.mark.parametrize("where", ["after_backward", "on_output", "read_grads"])
 def test_a_failure_in_the_watchs_hooks_is_one_warning_and_the_step_goes_on(monkeypatch, where):
-    from ampnb.watch.hooks import StepState
+    from ampnb.watcher.hooks import StepState
 
     def broken(*_, **__):
         raise RuntimeError("injected")

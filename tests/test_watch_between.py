@@ -101,7 +101,7 @@ def test_a_loop_that_calls_a_child_of_the_watched_module_is_recorded(every, tmp_
     named = ("model.blowup", "forward") if every == 1 else ("", "")
     assert bad.skipped and (bad.first_module, bad.first_phase) == named
     assert not any(r.nonfinite for k, r in enumerate(w.records) if k != 3)
-    replayed = ampnb.doctor.replay(tmp_path, Wrapper())
+    replayed = ampnb.diagnosis.replay(tmp_path, Wrapper())
     assert replayed.micro_batch == 0 and replayed.nonfinite.phase == "forward"
     assert replayed.nonfinite.module == "blowup"  # named within the module the loop called
 

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ampnb.scaler.records import format_scale
-from ampnb.watch import records as rec
-from ampnb.watch.records import LayerStats, StepRecord, read_log
-from ampnb.watch.table import layers_table, records_table
+from ampnb.watchlog import records as rec
+from ampnb.watchlog.records import LayerStats, StepRecord, read_log
+from ampnb.watchlog.table import layers_table, records_table
 
 FINFO = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -364,7 +364,7 @@ def test_panel_follows_a_log_dir(tmp_path, run):
 def test_tensorboard_event_files_read_back(tmp_path, run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from ampnb.watch.tensorboard import TensorBoardWriter
+    from ampnb.watcher.tensorboard import TensorBoardWriter
     with TensorBoardWriter(tmp_path, rank=1) as tb:
         for r in run:
             tb.write(r)
@@ -391,7 +391,7 @@ def test_tensorboard_event_files_read_back(tmp_path, run):
 
 
 def test_tensorboard_missing_says_how_to_install(tmp_path, monkeypatch):
-    from ampnb.watch.tensorboard import TensorBoardWriter
+    from ampnb.watcher.tensorboard import TensorBoardWriter
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ImportError, match="pip install tensorboard"):
         TensorBoardWriter(tmp_path)
@@ -399,7 +399,7 @@ def test_tensorboard_missing_says_how_to_install(tmp_path, monkeypatch):
 
 
 def test_pure_modules_import_no_display_stack():
-    code = ("import ampnb.watch.table, ampnb.watch.tensorboard, sys; "
+    code = ("import ampnb.watchlog.table, ampnb.watcher.tensorboard, sys; "
             "bad = [m for m in ('matplotlib', 'IPython', 'ipywidgets', 'tensorboard') "
             "if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

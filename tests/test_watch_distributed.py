@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ampnb.distributed import run_distributed
-from ampnb.watch import read_log
-from ampnb.watch.records import log_path
-from ampnb.watch.table import summarize
+from ampnb.watchlog import read_log
+from ampnb.watchlog.records import log_path
+from ampnb.watchlog.table import summarize
 
 K = 2       # the step at which rank 1's micro-batch overflows
 STEPS = 4

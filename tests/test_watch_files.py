@@ -18,8 +18,8 @@ import torch
 from watch_models import Planted, batches, run
 
 import ampnb
-from ampnb.watch import read_log
-from ampnb.watch.records import LayerStats, StepRecord
+from ampnb.watchlog import read_log
+from ampnb.watchlog.records import LayerStats, StepRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from watch_models import Blowup, Planted, batches, run
 
 import ampnb
-from ampnb.watch import read_log
+from ampnb.watchlog import read_log
 
 
 def _opt(m):
@@ -42,7 +42,7 @@ def test_an_unwritable_keep_overflow_is_refused_when_the_watch_starts(tmp_path):
 
 
 def test_a_failed_save_later_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch):
-    from ampnb.watch import overflow
+    from ampnb.watcher import overflow
 
     def broken(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -198,7 +198,7 @@ def test_between_statistics_steps_the_watch_reads_nothing_back_from_the_device()
     """The reference is the same loop unwatched (AdamW reads its own step counters)."""
     steps = batches(5)
 
-    def reads(watched: bool) -> tuple[int, ampnb.watch.Watch | None]:
+    def reads(watched: bool) -> tuple[int, ampnb.watcher.Watch | None]:
         m = Planted()
         opt, counter = _opt(m), CountReads()
         w = ampnb.watch(m, opt, every=5) if watched else None

@@ -1,4 +1,4 @@
-"""keep_overflow and ampnb.doctor.replay: the first overflowing step saved as it was before its
+"""keep_overflow and ampnb.diagnosis.replay: the first overflowing step saved as it was before its
 update, and rerun under the hunter to the same op and module as the hunter run by hand."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import nn
 from watch_models import Blowup, Planted, batches, run
 
 import ampnb
-from ampnb.watch.overflow import target
+from ampnb.watcher.overflow import target
 
 K = 2  # the planted step
 
@@ -46,7 +46,7 @@ def test_the_first_skipped_step_is_kept_and_replay_names_the_hunters_op_and_modu
     assert data["scale"] == w.records[K].scale and data["scaler"]["scale"] == data["scale"]
     assert data["autocast"] == [("cpu", "float16")]
 
-    r = ampnb.doctor.replay(tmp_path / "kept", trust_pickled_model=True)  # the pickled model
+    r = ampnb.diagnosis.replay(tmp_path / "kept", trust_pickled_model=True)  # the pickled model
     assert r.step == K and r.micro_batch == 0
     assert r.nonfinite and r.nonfinite.module == "blowup" == w.records[K].first_module
     by_hand = _hunt_by_hand(Planted(), steps[K][0])
@@ -80,7 +80,7 @@ def test_the_rng_at_the_steps_first_forward_is_kept_and_replay_leaves_the_caller
     assert torch.equal(data["rng"]["torch"], seen[K])
     fresh = Planted()  # (seeds torch) the test's hook made m unpicklable
     before = torch.get_rng_state()
-    ampnb.doctor.replay(tmp_path / "k.pt", model=fresh)
+    ampnb.diagnosis.replay(tmp_path / "k.pt", model=fresh)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -93,10 +93,10 @@ def test_a_model_that_cannot_be_pickled_is_replayed_into_a_fresh_instance(tmp_pa
     run(m, _opt(m), steps, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10),
         watch={"keep_overflow": tmp_path})
     with pytest.raises(ValueError, match="pass model=") as e:
-        ampnb.doctor.replay(tmp_path, trust_pickled_model=True)
+        ampnb.diagnosis.replay(tmp_path, trust_pickled_model=True)
     assert "\n" not in str(e.value)
     fresh = Local(seed=7)
-    r = ampnb.doctor.replay(tmp_path, model=fresh)
+    r = ampnb.diagnosis.replay(tmp_path, model=fresh)
     assert r.nonfinite.module == "blowup" and r.nonfinite.op == "mul"
     saved = torch.load(target(tmp_path), weights_only=True)["state_dict"]
     assert all(torch.equal(fresh.state_dict()[n], t) for n, t in saved.items())
@@ -112,7 +112,7 @@ def test_without_a_scaler_the_first_nonfinite_step_is_kept_before_its_update(tmp
     ref = Planted()
     run(ref, _opt(ref), steps[:K])
     assert all(torch.equal(data["state_dict"][n], t) for n, t in ref.state_dict().items())
-    r = ampnb.doctor.replay(w.overflow_file, Planted(seed=3))
+    r = ampnb.diagnosis.replay(w.overflow_file, Planted(seed=3))
     assert (r.nonfinite.op, r.nonfinite.module) == ("mul", "blowup")
 
 
@@ -124,7 +124,7 @@ def test_nothing_is_kept_without_an_overflow(tmp_path):
 @pytest.mark.parametrize("path", [3, "missing"])
 def test_replay_of_what_is_not_a_kept_step_is_one_line(tmp_path, path):
     with pytest.raises(ValueError) as e:
-        ampnb.doctor.replay(path if path == 3 else tmp_path / path, Planted())
+        ampnb.diagnosis.replay(path if path == 3 else tmp_path / path, Planted())
     assert "\n" not in str(e.value) and "keep_overflow" in str(e.value)
 
 
@@ -149,7 +149,7 @@ def test_the_report_is_the_doctor_on_the_kept_batch(tmp_path):
             sc.step(opt)
             sc.update()
             opt.zero_grad()
-    r = ampnb.doctor.replay(tmp_path, model=WithLoss())
+    r = ampnb.diagnosis.replay(tmp_path, model=WithLoss())
     assert r.nonfinite.module == "net.blowup"
     report = r.report
     assert report is r.report  # computed once
@@ -177,7 +177,7 @@ def test_replay_runs_the_users_loss_on_the_micro_batch_that_overflowed(tmp_path)
     sc = torch.amp.GradScaler("cpu", init_scale=2.0**15)
     w = run(m, _opt(m), steps, scaler=sc, watch={"keep_overflow": tmp_path})
     assert [r.skipped for r in w.records] == [False, True, False]
-    r = ampnb.doctor.replay(tmp_path, Wide())
+    r = ampnb.diagnosis.replay(tmp_path, Wide())
     assert r.micro_batch == 2  # the user's own loss: micro-batches 0 and 1 stay finite
     assert (r.nonfinite.op, r.nonfinite.module, r.nonfinite.phase) == ("mul", "blowup",
                                                                        "forward")

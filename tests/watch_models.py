@@ -58,7 +58,7 @@ def batches(n: int, blow_at: int | None = None, micro: int = 1, seed: int = 1) -
 
 def run(model: nn.Module, opt: torch.optim.Optimizer, steps: list, *, dtype=torch.float16,
         scaler: torch.amp.GradScaler | None = None, watch: dict | None = None,
-        seed: int = 0) -> ampnb.watch.Watch | None:
+        seed: int = 0) -> ampnb.watcher.Watch | None:
     """The canonical torch.amp loop (nanoGPT's order), with a watch attached when asked."""
     torch.manual_seed(seed)
     w = ampnb.watch(model, opt, scaler, **watch) if watch is not None else None

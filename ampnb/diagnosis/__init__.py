@@ -1,7 +1,7 @@
 """The precision doctor: `ampnb.doctor(model, batch)` runs one step in every mode and recommends one.
 
 `ampnb.doctor` is the function `core.doctor`; `profile_step` rides on it as an attribute, so
-`ampnb.doctor.profile_step(...)` works. The package is named `diagnosis` (as `ampnb.comparison`
+`ampnb.diagnosis.profile_step(...)` works. The package is named `diagnosis` (as `ampnb.comparison`
 is beside `ampnb.compare`) so that `ampnb.doctor` stays the function.
 """
 
@@ -15,9 +15,6 @@ from ampnb.diagnosis.recommend import Recommendation, Tolerance
 from ampnb.diagnosis.replay import Replay, replay
 from ampnb.diagnosis.report import DoctorReport
 from ampnb.diagnosis.why import profile_step
-
-doctor.profile_step = profile_step
-doctor.replay = replay
 
 __all__ = ["DoctorReport", "LayerRow", "ModeRow", "Profile", "Recommendation", "Replay",
            "Tolerance", "doctor", "profile_step", "replay"]

@@ -1,4 +1,4 @@
-"""`ampnb.doctor.replay(path)`: rerun the step a watch kept on its first overflow, with the hunter.
+"""`ampnb.diagnosis.replay(path)`: rerun the step a watch kept on its first overflow, with the hunter.
 
 The file is loaded as data only (`weights_only=True`), and `model=` is checked before it is read.
 What it redoes: the model as it was before that step (its state loaded into the fresh `model=`
@@ -48,7 +48,7 @@ def _check_arguments(path: Any, model: Any, trust_pickled_model: Any) -> None:
 
 def _load(path: str | os.PathLike) -> dict[str, Any]:
     """The kept step: data only (weights_only=True), whoever wrote the file."""
-    from ampnb.watch.overflow import FORMAT, target, unpickling_error
+    from ampnb.watcher.overflow import FORMAT, target, unpickling_error
 
     file = target(path)
     if not file.is_file():
@@ -67,7 +67,7 @@ def _load(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _model(data: dict[str, Any], model: nn.Module | None, trust: bool) -> nn.Module:
-    from ampnb.watch.hooks import strip_gone
+    from ampnb.watcher.hooks import strip_gone
 
     if model is not None:
         try:
@@ -95,7 +95,7 @@ def _loss(out: Any, loss_fn: Callable[[Any], Any] | None) -> torch.Tensor:
     own = model_loss(out)
     if own is not None:
         return own
-    from ampnb.watch.hooks import float_outputs
+    from ampnb.watcher.hooks import float_outputs
 
     return sum(t.float().sum() for t in float_outputs(out))
 
@@ -118,14 +118,14 @@ class Replay(TableView):
         self.micro_batch, self.nonfinite = self._hunt(data["rng"])
 
     def _forward(self, entry: nn.Module, batch: Batch) -> Any:
-        from ampnb.watch.overflow import autocast_as
+        from ampnb.watcher.overflow import autocast_as
 
         with autocast_as(self.autocast):  # the autocast the step's forward ran under
             return batch.call(entry)
 
     def _step(self, entry: nn.Module, batch: Batch, grads: list) -> None:
         from ampnb.modes import get_mode
-        from ampnb.watch.hooks import float_outputs
+        from ampnb.watcher.hooks import float_outputs
 
         out = self._forward(entry, batch)
         outs = float_outputs(out)
@@ -136,7 +136,7 @@ class Replay(TableView):
             if pairs:  # the user's backward (scaled as it ran), outside autocast
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
                 return
-        from ampnb.watch.overflow import autocast_as
+        from ampnb.watcher.overflow import autocast_as
 
         with autocast_as(self.autocast):
             loss = _loss(out, self.loss_fn)

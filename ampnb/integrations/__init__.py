@@ -8,8 +8,8 @@ package imports neither: `from ampnb.integrations.lightning import PrecisionMoni
 from __future__ import annotations
 
 from ampnb._lazy import lazy_exports
-from ampnb.watch.records import StepRecord
-from ampnb.watch.tensorboard import scalars as _scalars
+from ampnb.watcher.tensorboard import scalars as _scalars
+from ampnb.watchlog.records import StepRecord
 
 PREFIX = "ampnb/"  # the metric names the Trainers' loggers get: ampnb/scale, ampnb/skipped, ...
 

@@ -6,7 +6,7 @@ import warnings
 from typing import Any
 
 from ampnb.integrations import metrics
-from ampnb.watch.records import StepRecord
+from ampnb.watchlog.records import StepRecord
 
 try:  # the unified package first; the standalone one where only that is installed
     import lightning.pytorch as pl
@@ -31,7 +31,7 @@ class PrecisionMonitor(pl.Callback):
 
     def __init__(self, every: int = 1, log_dir: Any = None, keep_overflow: Any = None,
                  log: bool = True) -> None:
-        from ampnb.watch.inputs import check_every, check_path
+        from ampnb.watcher.inputs import check_every, check_path
 
         # checked here, so a bad argument fails where it is written, not inside fit
         self.every = check_every(every)
@@ -51,7 +51,7 @@ class PrecisionMonitor(pl.Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # after the sanity check, so its validation forwards are not counted as a step's
-        from ampnb.watch.core import watch
+        from ampnb.watcher.core import watch
 
         self._close()
         if not trainer.optimizers:

@@ -6,7 +6,7 @@ import warnings
 from typing import Any
 
 from ampnb.integrations import metrics
-from ampnb.watch.records import StepRecord
+from ampnb.watchlog.records import StepRecord
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -35,7 +35,7 @@ class PrecisionMonitorCallback(TrainerCallback):
 
     def __init__(self, trainer: Any, every: int = 1, log_dir: Any = None,
                  keep_overflow: Any = None, log: bool = True) -> None:
-        from ampnb.watch.inputs import check_every, check_path
+        from ampnb.watcher.inputs import check_every, check_path
 
         if not isinstance(trainer, Trainer):
             raise ValueError(f"trainer={type(trainer).__name__} is not allowed; allowed: a "
@@ -56,7 +56,7 @@ class PrecisionMonitorCallback(TrainerCallback):
         return () if self.watch is None else self.watch.records
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from ampnb.watch.core import watch
+        from ampnb.watcher.core import watch
 
         self.close()
         trainer = self.trainer

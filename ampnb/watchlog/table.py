@@ -47,7 +47,7 @@ def _records(records: Iterable[StepRecord]) -> list[StepRecord]:
     bad = next((r for r in found if not isinstance(r, StepRecord)), None)
     if bad is not None:
         raise ValueError(f"records contain {type(bad).__name__}; allowed: ampnb.watch "
-                         "StepRecords (w.records or ampnb.watch.read_log(log_dir))")
+                         "StepRecords (w.records or ampnb.watchlog.read_log(log_dir))")
     return found
 
 

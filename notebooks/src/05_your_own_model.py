@@ -181,14 +181,14 @@ print(report.low_precision.code if report.low_precision else report.recommended.
 # %% [markdown]
 # ## 4. Why is bf16 (not) faster here?
 #
-# `ampnb.doctor.profile_step` (and `%%amp --profile` on a cell) runs one step per mode under
+# `ampnb.diagnosis.profile_step` (and `%%amp --profile` on a cell) runs one step per mode under
 # `torch.profiler` and splits the op time by dtype, the share spent in casts, and the matmuls
 # whose dimensions are not multiples of 8 (tensor cores want them). On a small model the casts
 # and the unaligned shapes eat much of what bf16 could save; on a CPU without bf16 units the bf16
 # kernels themselves are slow fallbacks.
 
 # %%
-why = ampnb.doctor.profile_step(model, (ids, labels), loss_fn, modes=("32-true", "bf16-mixed"))
+why = ampnb.diagnosis.profile_step(model, (ids, labels), loss_fn, modes=("32-true", "bf16-mixed"))
 why
 
 # %% [markdown]

@@ -40,7 +40,7 @@ from torch import nn  # noqa: E402
 
 import ampnb  # noqa: E402
 from ampnb.integrations.lightning import PrecisionMonitor  # noqa: E402
-from ampnb.watch.table import layers_table  # noqa: E402
+from ampnb.watchlog.table import layers_table  # noqa: E402
 
 fp16_max = ampnb.get_format("fp16").max
 scratch = tempfile.TemporaryDirectory()  # logs and the kept step: nothing lands in notebooks/
@@ -209,7 +209,7 @@ for la in layers_table(records, step=SHIFT - 1).layers:
 # %% [markdown]
 # ## 3. The skipped step, replayed
 #
-# `ampnb.doctor.replay(path, model=fresh())` loads the step the monitor kept into a fresh
+# `ampnb.diagnosis.replay(path, model=fresh())` loads the step the monitor kept into a fresh
 # instance of the model: its state as it was before that step, its batch, the RNG states, the
 # autocast that was on and the scale. The file is data only (it loads with
 # `torch.load(weights_only=True)`, so a file from someone else runs no code); only for a file you
@@ -218,7 +218,7 @@ for la in layers_table(records, step=SHIFT - 1).layers:
 # inf or NaN out of finite inputs:
 
 # %%
-replay = ampnb.doctor.replay(monitor.watch.overflow_file, model=fresh())
+replay = ampnb.diagnosis.replay(monitor.watch.overflow_file, model=fresh())
 replay
 
 # %%
@@ -440,7 +440,7 @@ print("weights finite after training:",
 # steps show, and why?
 
 # %% jupyter={"source_hidden": true} tags=["solution"]
-def plain_run(init_scale: float) -> ampnb.watch.Watch:
+def plain_run(init_scale: float) -> ampnb.watcher.Watch:
     net = fresh()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)

@@ -34,11 +34,11 @@ from ampnb._tree import map_tensors
 from ampnb.putback import Rng
 from ampnb.start import param_dtype
 from ampnb.step import _AUTOCAST_DEVICES
-from ampnb.watch import inputs, owner
-from ampnb.watch.backward import Backwards, in_backward
-from ampnb.watch.ending import Ending
-from ampnb.watch.hooks import Hook, StepState, fast_probe, float_outputs, module_names
-from ampnb.watch.records import StepRecord, log_path
+from ampnb.watcher import inputs, owner
+from ampnb.watcher.backward import Backwards, in_backward
+from ampnb.watcher.ending import Ending
+from ampnb.watcher.hooks import Hook, StepState, fast_probe, float_outputs, module_names
+from ampnb.watchlog.records import StepRecord, log_path
 
 _NARROW = (torch.float16, torch.bfloat16)
 
@@ -51,7 +51,7 @@ def _rank() -> int | None:
 def _tensorboard(log_dir: Any, rank: int | None) -> Any:
     """ampnb's TensorBoard writer where the tensorboard package imports, else None."""
     try:
-        from ampnb.watch.tensorboard import TensorBoardWriter
+        from ampnb.watcher.tensorboard import TensorBoardWriter
 
         return TensorBoardWriter(log_dir, rank)
     except ImportError:  # an optional extra: absent, the JSON lines alone
@@ -123,7 +123,7 @@ class Watch(Backwards, Ending):
 
     def table(self) -> Any:
         """The records as a table."""
-        from ampnb.watch.table import records_table
+        from ampnb.watchlog.table import records_table
 
         return records_table(self.records)
 

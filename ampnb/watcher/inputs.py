@@ -114,7 +114,7 @@ def _creatable(folder: Path) -> str | None:
 def check_keep_overflow(path: Any) -> Path | None:
     """None, or the path (resolved, see `real`) where the overflowing step's file can be
     written (tried now)."""
-    from ampnb.watch.overflow import target
+    from ampnb.watcher.overflow import target
 
     path = check_path("keep_overflow", path)
     if path is None:
@@ -130,8 +130,8 @@ def check_keep_overflow(path: Any) -> Path | None:
 def check_log_dir(log_dir: Any, rank: int | None) -> Path | None:
     """None, or the folder (resolved, see `real`) to write in, holding no other run's records
     (runs never merge; `owner.claim` keeps a second watch out while this one is open)."""
-    from ampnb.watch.owner import holds_a_run
-    from ampnb.watch.records import log_path
+    from ampnb.watcher.owner import holds_a_run
+    from ampnb.watchlog.records import log_path
 
     log_dir = check_path("log_dir", log_dir)
     if log_dir is None:

@@ -5,7 +5,7 @@ would cost a few percent of a small model's step. Between them a step keeps only
 its backward roots (its losses), on their device: nothing is read back to the host until the
 next statistics step, `close()` or `records` (a read would make a GPU wait), and a non-finite
 step there is recorded without naming its module (nothing the user computes is run again to find
-it: `keep_overflow` and `ampnb.doctor.replay` name the op). On statistics steps a module's
+it: `keep_overflow` and `ampnb.diagnosis.replay` name the op). On statistics steps a module's
 forward hook keeps a detached reference to its output, for the current micro-batch; when that
 micro-batch's backward ends, one probe of its loss says whether anything is to be looked for,
 and only then are the kept outputs probed, in the order the modules finished, to name the first

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 import warnings
 
-from ampnb.watch import overflow, summary
-from ampnb.watch.hooks import StepState
-from ampnb.watch.records import StepRecord, write
+from ampnb.watcher import overflow, summary
+from ampnb.watcher.hooks import StepState
+from ampnb.watchlog.records import StepRecord, write
 
 
 class Ending:

@@ -12,8 +12,8 @@ import torch
 
 from ampnb import backwards
 from ampnb._interrupt import critical
-from ampnb.watch import summary
-from ampnb.watch.hooks import Hook
+from ampnb.watcher import summary
+from ampnb.watcher.hooks import Hook
 
 
 class Backwards:

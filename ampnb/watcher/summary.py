@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
-from ampnb.watch.hooks import StepState, fast_probe, finite, first_nonfinite
-from ampnb.watch.records import LayerStats, StepRecord
+from ampnb.watcher.hooks import StepState, fast_probe, finite, first_nonfinite
+from ampnb.watchlog.records import LayerStats, StepRecord
 
 
 def lost_updates(before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> float:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ampnb.watch.records import HEADROOM_FORMATS, KINDS, StepRecord, log_path
+from ampnb.watchlog.records import HEADROOM_FORMATS, KINDS, StepRecord, log_path
 
 
 def scalars(record: StepRecord) -> dict[str, float]:
