@@ -196,7 +196,7 @@ class Globals:
 
     @classmethod
     def take(cls) -> Globals:
-        # imported here: `import ampnb._state` (every test's before/after check) stays light
+        # imported here: `import ampnb.putback_state` (every test's before/after check) stays light
         from ampnb._kernels import live_overrides
         from ampnb.device import tf32_state
 

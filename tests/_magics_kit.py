@@ -6,7 +6,7 @@ import torch
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
-from ampnb import _state
+from ampnb import putback_state
 
 
 def shell_with_ampnb():
@@ -18,7 +18,7 @@ def shell_with_ampnb():
     with torch.no_grad():
         lin.weight.copy_(torch.randn(8, 16, generator=g))
     shell.user_ns.update(torch=torch, lin=lin, x=torch.randn(4, 16, generator=g))
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     names = set(shell.user_ns)
     yield shell
     shell.run_line_magic("unload_ext", "ampnb")
@@ -26,7 +26,7 @@ def shell_with_ampnb():
         shell.user_ns.pop(name, None)
     for name in ("y", "r", "c", "z", "made", "opt", "model", "loss"):
         shell.user_ns.pop(name, None)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def amp(ip, line, cell):

@@ -14,7 +14,7 @@ from torch import nn
 from torch.optim import optimizer as optim_hooks
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.apex import lost_update, master_of, master_step, master_step_hooks
 from ampnb.modes import MODES, get_mode
 
@@ -175,7 +175,7 @@ def test_amp_cell_steps_fp32_masters_and_removes_its_hooks(ip):
 
 
 def test_a_failing_step_inside_the_cell_leaves_the_optimizer_pointed_at_its_weights(ip):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     w = nn.Parameter(torch.tensor([1.5], dtype=torch.float16))
     opt = torch.optim.SGD([w], lr=0.1)
     opt.register_step_post_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
@@ -184,7 +184,7 @@ def test_a_failing_step_inside_the_cell_leaves_the_optimizer_pointed_at_its_weig
     assert isinstance(result.error_in_exec, RuntimeError)
     assert opt.param_groups[0]["params"][0] is w and w.dtype == torch.float16
     assert not optim_hooks._global_optimizer_pre_hooks
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_workbench_carries_o2s_fp32_masters_out_and_back():
@@ -214,7 +214,7 @@ def _swept_world():
     opt = torch.optim.SGD([w, bn], lr=2.0 ** -12, momentum=0.9)
     opt.step()  # momentum buffers exist before the sweep
     (w.sum() + bn.sum()).backward()
-    return w, bn, opt, _state.snapshot()
+    return w, bn, opt, putback_state.torch_state()
 
 
 def _left_as_found(world) -> list[str]:
@@ -226,7 +226,7 @@ def _left_as_found(world) -> list[str]:
         problems.append("optimizer state left keyed by a master")
     if optim_hooks._global_optimizer_pre_hooks or optim_hooks._global_optimizer_post_hooks:
         problems.append("a global optimizer hook was left behind")
-    if _state.snapshot() != before:
+    if putback_state.torch_state() != before:
         problems.append("torch state changed")
     return problems
 

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from watch_models import batches, run
 
 import ampnb
-from ampnb import _state, backwards
+from ampnb import backwards, putback_state
 from ampnb.step import backward_outside_autocast
 from tests._magics_kit import amp, shell_with_ampnb
 
@@ -51,7 +51,7 @@ class _Seen(torch.autograd.Function):
 @pytest.mark.parametrize("call", ["tensor", "autograd.backward", "autograd.grad"])
 def test_every_backward_spelling_runs_outside_autocast(call):
     x = torch.randn(3, requires_grad=True)
-    start = _state.snapshot()
+    start = putback_state.torch_state()
     _Seen.on = []
     with backward_outside_autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
         loss = _Seen.apply(x).sum()
@@ -62,7 +62,7 @@ def test_every_backward_spelling_runs_outside_autocast(call):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the reference: autocast reaches backward
         _Seen.apply(x).sum().backward()
     assert _Seen.on == [False, True]
-    assert _state.snapshot() == start
+    assert putback_state.torch_state() == start
 
 
 def test_the_mode_leaves_the_stack_when_the_body_raises_and_a_users_mode_is_kept():
@@ -70,13 +70,13 @@ def test_the_mode_leaves_the_stack_when_the_body_raises_and_a_users_mode_is_kept
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    start = _state.snapshot()
+    start = putback_state.torch_state()
     with Mine() as mine:
         with pytest.raises(ZeroDivisionError), backward_outside_autocast():
             assert len(_get_current_function_mode_stack()) == 2
             _ = 1 / 0
         assert _get_current_function_mode_stack() == [mine]
-    assert _state.snapshot() == start
+    assert putback_state.torch_state() == start
 
 
 class _Looks(nn.Module):
@@ -228,7 +228,7 @@ def test_an_interrupt_at_any_line_of_a_seen_backward_leaves_nothing_set():
     def setup():
         m = nn.Linear(4, 1)
         return {"m": m, "opt": torch.optim.SGD(m.parameters(), lr=0.1),
-                "before": _state.snapshot()}
+                "before": putback_state.torch_state()}
 
     def run(w):
         with ampnb.watch(w["m"], w["opt"]), backward_outside_autocast(), \
@@ -240,7 +240,7 @@ def test_an_interrupt_at_any_line_of_a_seen_backward_leaves_nothing_set():
         problems = []
         if backwards._here.inside or backwards._here.held is not None:
             problems.append("a backward left marked running, or the mode held aside")
-        if _state.snapshot() != w["before"]:
+        if putback_state.torch_state() != w["before"]:
             problems.append("torch state changed")
         return problems
 

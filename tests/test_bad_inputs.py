@@ -12,9 +12,9 @@ from torch import nn
 
 import ampnb
 from ampnb import apex, lowbit
-from ampnb._state import snapshot
 from ampnb.legacy import explain_precision
 from ampnb.modes import get_mode
+from ampnb.putback_state import torch_state as snapshot
 from ampnb.selective import keep_fp32
 
 MSE = nn.functional.mse_loss

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.instruments import summaries, tensor_capture
 from ampnb.instruments.coverage_stats import exponent_histogram
 from ampnb.instruments.trace import is_internal
@@ -98,11 +98,11 @@ def test_repeated_calls_count_and_keep_the_last():
 
 def test_hooks_and_state_gone_after_an_exception():
     model, x = _mlp()
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(RuntimeError):
         with ampnb.capture(model, kinds=KINDS):
             model(torch.randn(3, 5))  # wrong width: raises inside the first Linear
-    assert _hooks_gone(model) and _state.snapshot() == before
+    assert _hooks_gone(model) and putback_state.torch_state() == before
     with ampnb.capture(model) as cap:
         pass
     model(x)  # after exit nothing more is recorded
@@ -211,10 +211,10 @@ def test_an_interrupt_at_any_line_leaves_no_hook_on_the_model():
         return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) \
             + sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
 
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     total = _interrupt_at(0, cell, files)
     assert total > 30 and hooks() == 0
     for k in range(1, total + 1):
         _interrupt_at(k, cell, files)
         assert hooks() == 0, f"a hook was left on the model after an interrupt at line {k}"
-        assert _state.snapshot() == before and not is_internal(), f"line {k}"
+        assert putback_state.torch_state() == before and not is_internal(), f"line {k}"

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.instruments import summaries
 from ampnb.models.mlp import MLP
 
@@ -86,13 +86,13 @@ def test_bad_every_and_an_exception_mid_loop_leave_nothing_behind():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="every must be a positive int"):
             ampnb.capture(model, every=bad)
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(RuntimeError):
         with ampnb.capture(model, every=2):
             model(xs[0])
             model(xs[1])
             model(torch.randn(3, 5))  # wrong width: raises inside a captured call
-    assert _hooks_on(model) == 0 and _state.snapshot() == before
+    assert _hooks_on(model) == 0 and putback_state.torch_state() == before
 
 
 def test_activation_gradients_come_from_the_captured_calls_only():

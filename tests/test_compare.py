@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.comparison import Comparison, Work, compare, errors, leaves
 from ampnb.formats import quantize
 
@@ -118,7 +118,7 @@ def test_saved_activation_bytes_match_saved_tensors_hooks():
 
 
 def test_a_failing_mode_gets_a_failed_row_and_the_others_are_measured():
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     lin, x = _linear()
 
     def work():
@@ -127,7 +127,7 @@ def test_a_failing_mode_gets_a_failed_row_and_the_others_are_measured():
         return lin(x)
 
     c = compare(work, ["16-mixed", "bf16-mixed"], tf32="emulate", repeat=2)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert c.labels == ("32-true", "16-mixed + TF32 emulate", "bf16-mixed + TF32 emulate")
     bad = c.row("16-mixed")
     line = work.__code__.co_firstlineno + 2  # the raise: the row says where the user's code raised
@@ -141,14 +141,14 @@ def test_a_failing_mode_gets_a_failed_row_and_the_others_are_measured():
 
 
 def test_a_failing_reference_raises_and_restores_state():
-    before = _state.snapshot()
+    before = putback_state.torch_state()
 
     def boom():
         raise RuntimeError("boom in 32-true")
 
     with pytest.raises(RuntimeError, match="boom"):
         compare(boom, ["16-true"], tf32="emulate", repeat=1)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_activation_bytes_are_memory_meters_and_exclude_parameters():
@@ -191,9 +191,9 @@ def test_structured_results_are_compared_field_by_field():
 
 def test_state_unchanged_after_compare():
     lin, x = _linear()
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     compare(lambda: lin(x).sum().backward(), ["bf16-mixed", "64-true"], tf32="on", repeat=1)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -205,11 +205,11 @@ def test_state_unchanged_after_compare():
     ({"device": "gpu"}, "unknown device 'gpu'"),
 ])
 def test_bad_input_is_a_one_line_value_error(kwargs, match):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(ValueError, match=match) as info:
         compare(lambda: torch.ones(1), **kwargs)
     assert "\n" not in str(info.value)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

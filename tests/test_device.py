@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.device import (
     DeviceInfo,
     Support,
@@ -257,7 +257,7 @@ def test_tf32_changes_cuda_matmuls_only_on_ampere_or_newer():
 
 
 def test_throughput_is_positive_derived_and_cached():
-    before_rng, before = torch.get_rng_state(), _state.snapshot()
+    before_rng, before = torch.get_rng_state(), putback_state.torch_state()
     t = matmul_throughput("cpu", "fp32", n=64)
     assert t.device == "cpu" and t.dtype == "fp32" and t.n == 64 and t.note == ""
     assert t.seconds > 0 and t.tflops > 0
@@ -265,7 +265,7 @@ def test_throughput_is_positive_derived_and_cached():
     assert matmul_throughput("cpu", torch.float32, n=64) is t
     assert matmul_throughput("cpu", "fp32", n=64, refresh=True) is not t
     assert torch.equal(torch.get_rng_state(), before_rng)  # its own generator, not the user's
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_throughput_record_is_frozen():

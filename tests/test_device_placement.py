@@ -13,7 +13,7 @@ import torch
 from IPython.core.error import UsageError
 from torch import nn
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.comparison import compare
 from ampnb.device import place
 from ampnb.instruments.memory import memory_report
@@ -60,13 +60,13 @@ def test_a_cell_that_makes_its_own_tensors_runs_on_torchs_default_device(ip, gpu
 
 
 def test_a_stated_device_that_disagrees_is_one_line_naming_both(ip, gpu_machine):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     for line in ("bf16-mixed --device cuda", "--compare bf16-mixed --device cuda:0"):
         with pytest.raises(UsageError, match=r"--device cuda.* but the parameters of lin are on "
                                              r"cpu; allowed: cpu") as info:
             ip.run_cell_magic("amp", line, "y = lin(x)")
         assert "\n" not in str(info.value) and "y" not in ip.user_ns
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_a_stated_device_that_agrees_is_said(ip, gpu_machine):

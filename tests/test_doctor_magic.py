@@ -63,10 +63,10 @@ def test_cell_mistakes_are_usage_errors(ip, cell, words):
 def test_the_flags_run_the_doctor_and_the_profile_and_refuse_other_options(ip):
     from IPython.utils.capture import capture_output
 
-    from ampnb import _state
+    from ampnb import putback_state
 
     ip.run_line_magic("load_ext", "ampnb")
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     weights = {k: v.clone() for k, v in ip.user_ns["model"].state_dict().items()}
     try:
         with capture_output():
@@ -79,5 +79,5 @@ def test_the_flags_run_the_doctor_and_the_profile_and_refuse_other_options(ip):
     finally:
         ip.run_line_magic("unload_ext", "ampnb")
         ip.user_ns.pop("prof", None)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert all(torch.equal(v, ip.user_ns["model"].state_dict()[k]) for k, v in weights.items())

@@ -10,7 +10,7 @@ from doctor_models import Plain, data
 from torch import nn
 
 import ampnb
-from ampnb._state import snapshot
+from ampnb.putback_state import torch_state as snapshot
 
 CE = nn.functional.cross_entropy
 FAST = dict(repeat=1, profile=False, modes=("32-true", "bf16-mixed", "16-true"))

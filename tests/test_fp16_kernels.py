@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.fp16_kernels import EMULATED, Fp16KernelEmulation, emulated_fp16_kernels
 
 FP16_ULP_AT_1 = torch.finfo(torch.float16).eps
@@ -100,10 +100,10 @@ def test_lstm_under_16_mixed_runs_emulated():
 
 
 def test_state_is_restored_also_when_the_body_raises():
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(ZeroDivisionError), emulated_fp16_kernels():
         raise ZeroDivisionError
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def _cpu_kernel(op) -> str:
@@ -127,12 +127,12 @@ def test_only_the_emulated_ops_kernels_are_overridden_and_all_are_handed_back():
 
 
 def test_an_emulation_cannot_be_entered_twice():
-    before, emulation = _state.snapshot(), Fp16KernelEmulation()
+    before, emulation = putback_state.torch_state(), Fp16KernelEmulation()
     with emulation:
-        assert _state.snapshot().product_kernels != before.product_kernels  # the check sees it
+        assert putback_state.torch_state().product_kernels != before.product_kernels  # the check sees it
         with pytest.raises(RuntimeError, match="already entered"):
             emulation.__enter__()
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def _train_16_mixed(name: str, emulate: bool, steps: int) -> tuple[list[float], list[float]]:
@@ -251,7 +251,7 @@ def _small_step(monkeypatch, kernels: bool):
     torch.manual_seed(0)
     conv, lin = nn.Conv2d(3, 4, 3).half(), nn.Linear(36, 5).half()
     x = torch.randn(2, 3, 8, 8).half().requires_grad_()
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with emulated_fp16_kernels() as emulation:
         assert bool(_get_current_dispatch_mode_stack()) is not kernels
         y = lin(conv(x).flatten(1)[:, :36])
@@ -259,7 +259,7 @@ def _small_step(monkeypatch, kernels: bool):
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     with tf32_context("emulate") as tf32:
         z = a @ b
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert emulation.emulated_ops >= 4 and tf32.rounded_ops == 1
     return [y, x.grad, conv.weight.grad, lin.weight.grad, z]
 

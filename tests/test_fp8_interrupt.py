@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import ampnb.fp8.autocast as fp8_autocast_module
-from ampnb._state import snapshot
 from ampnb.fp8 import Fp8Linear, convert_to_fp8, fp8_autocast, revert_fp8
 from ampnb.fp8.autocast import emulated_fp8_context, fp8_active
 from ampnb.lowbit import quantize_model
+from ampnb.putback_state import torch_state as snapshot
 
 
 def interrupt_after(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str,

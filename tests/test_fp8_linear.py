@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ampnb._state import snapshot
 from ampnb.fp8 import Fp8Linear, convert_to_fp8, fp8_autocast, fp8_report, plan, revert_fp8
+from ampnb.putback_state import torch_state as snapshot
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

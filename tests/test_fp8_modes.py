@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ampnb import get_mode
-from ampnb._state import snapshot
 from ampnb.fp8 import Fp8Linear, te_status
 from ampnb.fp8.autocast import fp8_active
+from ampnb.putback_state import torch_state as snapshot
 
 TE_MODES = {"transformer-engine": torch.bfloat16, "transformer-engine-float16": torch.float16}
 HAS_TE = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampnb._state import snapshot
 from ampnb.formats import quantize
 from ampnb.fp8 import DelayedScaling, Fp8Linear, Fp8Stats, convert_to_fp8, side_by_side, sqnr
+from ampnb.putback_state import torch_state as snapshot
 
 
 def layer_and_inputs():

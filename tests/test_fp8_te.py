@@ -87,8 +87,8 @@ def test_layers_are_swapped_like_lightning_with_a_warning_for_unaligned_ones(fak
 
 
 def test_forward_context_is_lightnings_stack_and_restores_state(fake_te):
-    from ampnb._state import snapshot
     from ampnb.fp8.te import te_forward_context
+    from ampnb.putback_state import torch_state as snapshot
 
     recipe, pt = fake_te
     before = snapshot()

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.fp8 import DelayedScaling, Fp8Linear, convert_to_fp8, revert_fp8
 from ampnb.fp8.layernorm import TeLayerNorm
 from ampnb.fp8.recipe import Fp8Format, from_te_recipe
@@ -93,11 +93,11 @@ def test_weights_dtype_and_fallback_compute_dtype():
     assert mode.name == "transformer-engine-float16"
     model = mode.convert_module(_model())
     assert {p.dtype for p in model.parameters()} == {torch.float16}
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with mode.forward_context("cpu"):
         assert torch.get_default_dtype() == torch.float16
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_layernorm_is_replaced_with_te_numerics_and_shares_its_parameters():

@@ -11,7 +11,7 @@ from _garbage import Garbage as _Garbage
 from torch import nn
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 
 FP16_MAX = torch.finfo(torch.float16).max
 
@@ -38,9 +38,9 @@ def _step(m: nn.Module, x: torch.Tensor, dtype: torch.dtype = torch.float16):
 
 def test_blames_the_planted_layer_in_the_forward_phase():
     m, x = _planted()
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     r = ampnb.find_nonfinite(_step(m, x))
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     exact = m[2](m[1](m[0](x))).detach().abs().max().item()  # the same layer in fp32
     assert exact > FP16_MAX  # the reference confirms the plant overflows fp16
     assert r and (r.op, r.module, r.phase) == ("addmm", "2", "forward")
@@ -105,7 +105,7 @@ def test_non_finite_data_is_reported_as_coming_from_outside():
 
 def test_everything_detached_after_an_error_and_the_error_names_the_finding():
     m, x = _planted()
-    before = _state.snapshot()
+    before = putback_state.torch_state()
 
     def step():
         _step(m, x)()
@@ -114,7 +114,7 @@ def test_everything_detached_after_an_error_and_the_error_names_the_finding():
     with pytest.raises(FloatingPointError) as info:
         ampnb.find_nonfinite(step)
     assert "addmm in 2 (forward)" in "".join(getattr(info.value, "__notes__", []))
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert all(not mod._forward_hooks for mod in m.modules())
 
 

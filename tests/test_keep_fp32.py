@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.instruments.trace import trace_ops
 from ampnb.selective import keep_fp32, matching_modules
 
@@ -106,11 +106,11 @@ def test_everything_is_undone_also_when_the_body_raises():
     own = a.norm.forward  # a bound method, not an instance attribute
     a.head.forward = lambda x: nn.Linear.forward(a.head, x) * 1  # the user's own instance forward
     user_forward = a.head.forward
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(RuntimeError, match="boom"), keep_fp32(a, "head,norm"):
         raise RuntimeError("boom")
     assert a.head.forward is user_forward and "forward" not in a.norm.__dict__
-    assert a.norm.forward == own and _state.snapshot() == before
+    assert a.norm.forward == own and putback_state.torch_state() == before
 
 
 class Tied(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb._kernels import current_kernel, live_overrides
 from ampnb.device.tf32_switch import TF32Emulation
 from ampnb.fp16_kernels import EMULATED, Fp16KernelEmulation
@@ -33,7 +33,7 @@ def _still_runs(override: object) -> None:
 @pytest.mark.parametrize("first", ["fp16", "tf32"])
 @pytest.mark.parametrize("leave", ["in order", "out of order"])
 def test_overlapping_overrides_each_keep_working_and_hand_back_every_kernel(first, leave):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     made = {"fp16": Fp16KernelEmulation(), "tf32": TF32Emulation()}
     outer = made.pop(first)
     inner = made.popitem()[1]
@@ -41,7 +41,7 @@ def test_overlapping_overrides_each_keep_working_and_hand_back_every_kernel(firs
     try:
         inner.__enter__()
         try:
-            assert _state.snapshot().product_kernels != before.product_kernels
+            assert putback_state.torch_state().product_kernels != before.product_kernels
             gone, kept = (inner, outer) if leave == "in order" else (outer, inner)
             gone.__exit__(None, None, None)
             _still_runs(kept)
@@ -50,4 +50,4 @@ def test_overlapping_overrides_each_keep_working_and_hand_back_every_kernel(firs
     finally:
         outer.__exit__(None, None, None)
     assert live_overrides() == 0
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before

@@ -10,7 +10,7 @@ from _magics_kit import shown as _shown
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.device import restore_tf32, tf32_state
 from ampnb.formats import quantize
 from ampnb.magics.amp import AmpMagics
@@ -128,17 +128,17 @@ def test_cuda_on_a_cpu_machine_says_what_would_run_instead(ip):
 
 @pytest.mark.parametrize("line", ["16-true", "bf16-mixed --tf32 emulate", "32-true --tf32 on"])
 def test_state_restored_when_the_cell_raises(ip, line):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     result = ip.run_cell(f"%%amp {line}\nz = torch.ones(1)\nraise ValueError('boom')")
     assert isinstance(result.error_in_exec, ValueError)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_state_restored_on_keyboard_interrupt(ip):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(KeyboardInterrupt):
         ip.run_cell_magic("amp", "bf16-true --tf32 emulate", "z = torch.ones(1)\nraise KeyboardInterrupt")
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_cell_that_changes_global_state_is_reported(ip):
@@ -241,11 +241,11 @@ def test_hunt_notes_the_finding_on_an_error_and_restores_state(ip):
     with torch.no_grad():
         big.weight.fill_(1e4)
     ip.user_ns.update(big=big)
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(FloatingPointError) as info:
         _amp(ip, "16-mixed --hunt --trace", "y = big(x.abs() + 1)\nraise FloatingPointError('inf')")
     assert "addmm in Linear (forward)" in "".join(info.value.__notes__)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     ip.user_ns.pop("big")
 
 

@@ -14,7 +14,7 @@ from _magics_kit import shell_with_ampnb
 from _magics_kit import shown as _shown
 from IPython.core.error import UsageError
 
-from ampnb import _state
+from ampnb import putback_state
 
 
 @pytest.fixture
@@ -202,13 +202,13 @@ def test_a_cell_that_raises_in_32_true_raises_and_restores(ip):
 
 def test_keyboard_interrupt_in_the_cell_restores_everything(ip):
     start = _setup(ip)
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     ip.run_cell("calls = [0]")
     start["names"].add("calls")
     cell = "calls[0] += 1\ntrain_step()\nif calls[0] == 3: raise KeyboardInterrupt"
     with pytest.raises(KeyboardInterrupt):
         _amp(ip, "--compare bf16-true,bf16-mixed -r 2", cell)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     _unchanged(ip, start)
 
 

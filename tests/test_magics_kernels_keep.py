@@ -7,7 +7,7 @@ import torch
 from _magics_kit import amp, shell_with_ampnb, shown
 from IPython.core.error import UsageError
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.device import cpu_features_as
 from ampnb.fp16_kernels import emulated_fp16_kernels
 from ampnb.magics.amp import AmpMagics
@@ -79,11 +79,11 @@ def test_keep_fp32_in_compare_marks_the_rows(ip):
 ])
 def test_bad_values_are_one_line_usage_errors_and_run_nothing(ip, line, match):
     _two_layers(ip)
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(UsageError, match=match) as info:
         ip.run_cell_magic("amp", line, "y = net(x)")
     assert "\n" not in str(info.value) and "y" not in ip.user_ns
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_keep_fp32_without_a_model_is_refused(ip):

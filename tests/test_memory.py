@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.display import format_bytes
 from ampnb.instruments.memory import memory_meter
 from ampnb.models.mlp import MLP
@@ -77,9 +77,9 @@ def test_bf16_halves_saved_activations_and_true_halves_state():
     model, x, y = _mlp()
     before = [p.detach().clone() for p in model.parameters()]
     rng = torch.get_rng_state()
-    snap = _state.snapshot()
+    snap = putback_state.torch_state()
     report = ampnb.memory_report(model, (x, y), nn.functional.cross_entropy)
-    assert _state.snapshot() == snap and torch.equal(torch.get_rng_state(), rng)
+    assert putback_state.torch_state() == snap and torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # untouched
     fp32, mixed, true16 = report.stats
     assert [s.mode for s in report.stats] == ["32-true", "bf16-mixed", "bf16-true"]
@@ -113,12 +113,12 @@ def test_demo_gives_model_batch_loss_and_optimizer():
 
 def test_hooks_gone_after_an_exception():
     model, x, _ = _mlp()
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(RuntimeError):
         with memory_meter():
             model(torch.randn(3, 7))
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_bad_input_is_one_line_value_error():
@@ -239,9 +239,9 @@ def test_a_mode_that_fails_gets_its_own_row_and_the_others_run():
     model, x = _Fp32Buffer(), torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="same dtype") as torch_says, torch.no_grad():
         torch.mm(torch.ones(4, 8), model.lin.weight.to(torch.bfloat16).t())  # what torch says
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     report = ampnb.memory_report(model, x, modes=("32-true", "bf16-true", "bf16-mixed"))
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     ok, bad, mixed = report.stats
     assert not ok.error and not mixed.error and ok.saved_bytes > 0 and mixed.saved_bytes > 0
     assert ok == ampnb.instruments.memory.measure_memory(model, x)  # the rows that ran are whole

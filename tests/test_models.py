@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.formats import get_format
 from ampnb.models import DEMOS, MLP, Demo, SmallCNN, TinyGPT, bars, corpus, demo, spirals
 
@@ -80,9 +80,9 @@ def test_same_seed_same_demo_other_seed_differs(name):
 
 
 def test_building_a_demo_leaves_global_rng_and_torch_state_alone():
-    before, rng = _state.snapshot(), torch.random.get_rng_state()
+    before, rng = putback_state.torch_state(), torch.random.get_rng_state()
     demo("gpt", seed=7)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert torch.equal(torch.random.get_rng_state(), rng)
 
 
@@ -196,10 +196,10 @@ def test_gpt_generate_extends_the_prompt_reproducibly():
     d = demo("gpt", seed=0, n_batches=1)
     text = corpus()
     prompt = text.encode("The keeper").unsqueeze(0)
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     a = d.model.generate(prompt, 40, generator=torch.Generator().manual_seed(1))
     b = d.model.generate(prompt, 40, generator=torch.Generator().manual_seed(1))
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert a.shape == (1, prompt.shape[1] + 40) and torch.equal(a, b)
     assert text.decode(a[0]).startswith("The keeper")
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ampnb import get_mode
-from ampnb._state import snapshot
 from ampnb.modes import ALIASES, MODES, cast_floats
+from ampnb.putback_state import torch_state as snapshot
 
 LIGHTNING = ["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true"]
 RUNNABLE = LIGHTNING  # FP8 modes are registered but run elsewhere (ampnb.fp8)

@@ -12,7 +12,7 @@ import torch
 from _workbench_kit import InterruptAt, consistent, make, same, weights
 
 import ampnb.panels.base as base
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.device import devices
 from ampnb.modes import MODES, Availability
 from ampnb.panels import PrecisionPanel
@@ -92,12 +92,12 @@ def test_unavailable_mode_is_listed_and_refused_with_its_reason(shown, monkeypat
     panel = PrecisionPanel(Workbench(*make()), run_n=3)
     assert ("64-true (unavailable: needs a pretend accelerator)", "64-true") in panel.mode.options
     panel.buttons["Step"].click()
-    before, state = weights(panel.workbench.model), _state.snapshot()
+    before, state = weights(panel.workbench.model), putback_state.torch_state()
     panel.mode.value = "64-true"
     assert "needs a pretend accelerator" in panel.message.value
     assert "ValueError" in panel.message.value
     assert panel.mode.value == "32-true" and panel.workbench.mode.name == "32-true"
-    assert same(weights(panel.workbench.model), before) and _state.snapshot() == state
+    assert same(weights(panel.workbench.model), before) and putback_state.torch_state() == state
     panel.buttons["Step"].click()  # and it keeps working
     assert len(panel.workbench.history) == 2 and panel.message.value == ""
 
@@ -139,16 +139,16 @@ def test_op_summary_follows_the_mode_and_matches_a_hand_trace(panel):
 
 
 def test_tf32_toggle_is_scoped_to_the_step(panel):
-    state = _state.snapshot()
+    state = putback_state.torch_state()
     panel.tf32.value = True
     assert panel.workbench.tf32 and "TF32 on" in panel.status.value
     assert "TF32 has no effect on cpu" in panel.status.value or torch.cuda.is_available()
     panel.buttons["Step"].click()
-    assert panel.workbench.history[-1].tf32 and _state.snapshot() == state
+    assert panel.workbench.history[-1].tf32 and putback_state.torch_state() == state
 
 
 def test_callback_errors_are_shown_and_the_panel_keeps_working(panel):
-    state = _state.snapshot()
+    state = putback_state.torch_state()
 
     def broken(out, y):
         raise RuntimeError("loss exploded")
@@ -156,7 +156,7 @@ def test_callback_errors_are_shown_and_the_panel_keeps_working(panel):
     good, panel.workbench.loss_fn = panel.workbench.loss_fn, broken
     panel.buttons["Step"].click()
     assert "RuntimeError: loss exploded" in panel.message.value
-    assert "Traceback" in panel.message.value and _state.snapshot() == state
+    assert "Traceback" in panel.message.value and putback_state.torch_state() == state
     panel.workbench.loss_fn = good
     panel.buttons["Step"].click()
     assert panel.message.value == "" and len(panel.workbench.history) == 1
@@ -244,7 +244,7 @@ def test_nonfinite_weights_are_shown_in_the_step_that_made_them(shown):
 
 
 def test_an_interrupt_at_any_line_of_a_mode_change_leaves_the_workbench_consistent(shown):
-    state = _state.snapshot()
+    state = putback_state.torch_state()
     panel = PrecisionPanel(Workbench(*make()), run_n=2)
     panel.buttons["Step"].click()
     wb = panel.workbench
@@ -257,7 +257,7 @@ def test_an_interrupt_at_any_line_of_a_mode_change_leaves_the_workbench_consiste
                 pass
         if not sweep.fired:
             break
-        assert consistent(wb) and _state.snapshot() == state, n
+        assert consistent(wb) and putback_state.torch_state() == state, n
         if wb.mode.name == "32-true":
             assert same(weights(wb.model), start), n  # the interrupted switch left nothing
         wb.set(mode="32-true")  # back for the next line (the panel's controls follow)

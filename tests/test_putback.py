@@ -19,7 +19,7 @@ from _sweep import sweep
 from torch import nn
 
 import ampnb
-from ampnb import _state, putback_state
+from ampnb import putback_state
 from ampnb.putback import (
     Grads,
     ModuleFlags,
@@ -89,7 +89,7 @@ def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def test_state_snapshot_is_putbacks_reader():
-    assert _state.snapshot is torch_state and _state.TorchState is putback_state.TorchState
+    assert putback_state.torch_state is torch_state and putback_state.TorchState is putback_state.TorchState
     assert torch_state() == torch_state()
 
 
@@ -321,7 +321,7 @@ def test_an_interrupt_at_any_line_of_the_safety_net_leaves_torch_state():
 
 # Each old home -> the module that now takes its copies from putback (the Workbench's probe
 # moved out of workbench/state.py altogether).
-OLD_HOMES = {"start.py": "start.py", "_state.py": "_state.py", "diagnosis/safety.py": "diagnosis/core.py",
+OLD_HOMES = {"start.py": "start.py", "diagnosis/safety.py": "diagnosis/core.py",
              "comparison/snapshot.py": "comparison/snapshot.py",
              "workbench/state.py": "workbench/core.py", "watcher/overflow.py": "watcher/core.py"}
 
@@ -347,9 +347,10 @@ def test_no_module_but_putback_reads_or_sets_a_generator_or_the_safety_nets_stat
     assert not found, found
 
 
-def test_the_six_old_homes_keep_no_copy_of_their_own_and_use_putback():
+def test_the_old_homes_keep_no_copy_of_their_own_and_use_putback():
     sources = _sources()
     assert "diagnosis/safety.py" not in sources  # the safety net is putback.globals_kept
+    assert "_state.py" not in sources  # the state snapshot is putback_state.torch_state
     for name, user in OLD_HOMES.items():
         own = [p for p in OWN_MODEL_COPIES if re.search(p, sources.get(name, ""))]
         assert not own, (name, own)

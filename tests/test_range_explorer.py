@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.instruments.coverage_stats import coverage_table
 from ampnb.panels import RangeExplorer
 from ampnb.panels import range_explorer as rx
@@ -94,7 +94,7 @@ def test_the_model_grads_rng_mode_and_torch_state_are_left_as_they_were():
     for p, m in zip(d.model.parameters(), marker):
         p.grad = m
     weights = copy.deepcopy(d.model.state_dict())
-    state, rng = _state.snapshot(), torch.get_rng_state()
+    state, rng = putback_state.torch_state(), torch.get_rng_state()
     with torch.no_grad():  # the panel turns grad mode on for its own step only
         panel = RangeExplorer(d)
     panel.recapture.click()
@@ -102,7 +102,7 @@ def test_the_model_grads_rng_mode_and_torch_state_are_left_as_they_were():
     assert all(p.grad is m for p, m in zip(d.model.parameters(), marker))
     assert all(torch.equal(v, d.model.state_dict()[k]) for k, v in weights.items())
     assert not d.model.training
-    assert torch.equal(torch.get_rng_state(), rng) and _state.snapshot() == state
+    assert torch.equal(torch.get_rng_state(), rng) and putback_state.torch_state() == state
     assert all(not m._forward_hooks for m in d.model.modules())
     assert all(not p._post_accumulate_grad_hooks for p in d.model.parameters())
     assert panel.capture.get("head.weight", "gradient").amax < 7.0  # this batch's gradient

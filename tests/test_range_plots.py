@@ -9,7 +9,7 @@ import torch
 from matplotlib.patches import Rectangle
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.display import format_percent as _pct
 from ampnb.plots import (
     plot_format_ladder,
@@ -194,9 +194,9 @@ def test_layer_summary_kind_filter_planted_overflow_and_bad_input():
 
 def test_loss_scale_effect_histograms_and_coverage_match_torch_casts():
     g = _spread(seed=2, lo=-40.0, hi=-2.0)[8:]  # gradient-like: small, no inf
-    before_state = _state.snapshot()
+    before_state = putback_state.torch_state()
     ax = plot_loss_scale_effect(g, scale=2.0**16, fmt="fp16")
-    assert _state.snapshot() == before_state
+    assert putback_state.torch_state() == before_state
     eh = ampnb.instruments.exponent_histogram
     assert _by_gid(ax, "before").get_data().values.tolist() == eh(g).tolist()
     assert _by_gid(ax, "after").get_data().values.tolist() == eh(g * 2.0**16).tolist()

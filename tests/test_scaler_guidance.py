@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_scaler import make
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.formats import get_format
 from ampnb.scaler import GUIDANCE, ScalerStepper, diagnose, explain, explain_error
 
@@ -34,9 +34,9 @@ def _torch_unscale_twice_message() -> str:
 
 @pytest.mark.parametrize("case", list(GUIDANCE))
 def test_every_case_explains_itself(case):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     g = explain(case)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert g.case == case and g.title == GUIDANCE[case].title
     assert g.plain_words and g.fix and not re.search(r"\{\w+\}", g.plain_words)
     if GUIDANCE[case].match:  # torch itself speaks up in these cases

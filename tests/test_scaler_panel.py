@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_scaler import make
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.panels import ScalerPanel
 from ampnb.scaler import ScalerStepper
 
@@ -76,7 +76,7 @@ def test_inject_nan_shows_found_inf_skip_and_backoff(panel):
 
 
 def test_controls_rebuild_and_bad_values_are_shown(panel):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     panel.buttons["Run N"].click()
     panel.controls["init_scale"].value = 2.0**4
     assert panel.stepper.history == [] and panel.stepper.scale == 2.0**4
@@ -90,7 +90,7 @@ def test_controls_rebuild_and_bad_values_are_shown(panel):
     assert "range(3)" in panel.listing.value
     panel.controls["clip_norm"].value = 0.5
     assert panel.stepper.settings.clip_norm == 0.5
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_reset_returns_to_the_start(panel):

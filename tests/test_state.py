@@ -1,4 +1,4 @@
-"""_state.snapshot() sees every global flag ampnb may touch: each change below makes it differ."""
+"""putback_state.torch_state() sees every global flag ampnb may touch: each change below makes it differ."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from ampnb._state import snapshot
+from ampnb.putback_state import torch_state as snapshot
 
 
 def _module_hook():

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.device import TF32State, restore_tf32, set_tf32, tf32, tf32_state
 
 NEW_API = hasattr(torch.backends.cuda.matmul, "fp32_precision") or hasattr(
@@ -109,12 +109,12 @@ def test_inside_the_switch_torch_agrees_with_itself(start, enabled):
 
 
 def test_snapshot_is_equal_after_a_raising_body(pristine):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     for enabled in (True, False):
         with pytest.raises(ZeroDivisionError), tf32(enabled):
-            assert _state.snapshot() != before or enabled is False
+            assert putback_state.torch_state() != before or enabled is False
             _ = 1 / 0
-        assert _state.snapshot() == before
+        assert putback_state.torch_state() == before
 
 
 def test_switching_on_leaves_cpu_settings_alone(pristine):

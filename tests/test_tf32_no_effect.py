@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.device import tf32_switch
 from ampnb.device.hardware import DeviceInfo
 
@@ -25,11 +25,11 @@ def present(monkeypatch):
 
 
 def _said(action) -> list[str]:
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         action()
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert [w.filename for w in caught] == [__file__] * len(caught)  # the user's line
     return [str(w.message) for w in caught]
 

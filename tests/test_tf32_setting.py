@@ -8,7 +8,7 @@ import pytest
 import torch
 from _workbench_kit import make
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.comparison import compare
 from ampnb.device import TF32_ALLOWED, TF32Setting, tf32_context, tf32_setting, tf32_state
 from ampnb.formats import quantize
@@ -41,13 +41,13 @@ def test_the_setting_is_a_string_enum():
 
 @pytest.mark.parametrize(("spelling", "meant"), GOOD)
 def test_tf32_context_takes_the_same_spellings(spelling, meant):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     a, b = torch.randn(8, 16), torch.randn(16, 4)
     with tf32_context(spelling) as emulation:
         y = a @ b
         if meant is not None:
             assert tf32_state().matmul is (meant is TF32Setting.on)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     if meant is TF32Setting.emulate:
         assert emulation.rounded_ops == 1
         assert torch.equal(y, quantize(a, "tf32") @ quantize(b, "tf32"))
@@ -57,10 +57,10 @@ def test_tf32_context_takes_the_same_spellings(spelling, meant):
 
 @pytest.mark.parametrize("bad", BAD)
 def test_tf32_context_refuses_before_changing_anything(bad):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(ValueError, match="unknown TF32 setting"):
         tf32_context(bad)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 @pytest.mark.parametrize(("spelling", "meant"), GOOD)

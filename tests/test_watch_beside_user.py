@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from tests._magics_kit import amp, shell_with_ampnb
 
 ip = pytest.fixture(shell_with_ampnb)
@@ -318,4 +318,4 @@ def test_a_failure_in_the_watchs_hooks_is_one_warning_and_the_step_goes_on(monke
     mine = [c for c in caught if "ampnb.watch" in str(c.message)]
     assert len(mine) == 1 and "injected" in str(mine[0].message)
     assert len(w.records) == 3 and w.records[0].incomplete
-    assert _state.snapshot() == _state.snapshot()
+    assert putback_state.torch_state() == putback_state.torch_state()

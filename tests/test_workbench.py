@@ -22,7 +22,7 @@ from _workbench_kit import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.modes import get_mode
 from ampnb.workbench import PrecisionLossWarning, Workbench
 
@@ -184,7 +184,7 @@ def test_probe_leaves_no_trace():
                    torch.nn.functional.mse_loss, batches, mode="bf16-mixed")
     wb.step()
     before, grads = weights(wb.model), [p.grad.clone() for p in wb.model.parameters()]
-    rng, state = torch.get_rng_state(), _state.snapshot()
+    rng, state = torch.get_rng_state(), putback_state.torch_state()
 
     @contextlib.contextmanager
     def saved():
@@ -197,7 +197,7 @@ def test_probe_leaves_no_trace():
     assert torch.bfloat16 in seen and len(wb.history) == 1  # it ran, under the mode's autocast
     assert same(weights(wb.model), before)  # BatchNorm's running stats too
     assert all(torch.equal(p.grad, g) for p, g in zip(wb.model.parameters(), grads))
-    assert torch.equal(torch.get_rng_state(), rng) and _state.snapshot() == state
+    assert torch.equal(torch.get_rng_state(), rng) and putback_state.torch_state() == state
 
 
 # ----- dtypes and losses against hand-written loops --------------------------------------
@@ -228,7 +228,7 @@ def _stepped():
 
 
 def test_an_interrupt_at_any_line_of_set_or_restore_leaves_the_workbench_as_before():
-    state = _state.snapshot()
+    state = putback_state.torch_state()
     wb = _stepped()
     views = [_view(wb)]
     for call in _round_trip(wb):
@@ -249,7 +249,7 @@ def test_an_interrupt_at_any_line_of_set_or_restore_leaves_the_workbench_as_befo
             break
         assert consistent(wb), n
         assert _same_view(_view(wb), views[done]), (n, done)  # the interrupted call left nothing
-        assert _state.snapshot() == state
+        assert putback_state.torch_state() == state
         if n % 10 == 0:  # and it still works: back to the exact start weights
             wb.set(mode="32-true")
             assert same(weights(wb.model), views[0][0]) or done >= 3

@@ -20,7 +20,7 @@ from _workbench_kit import (
     weights,
 )
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.workbench import PrecisionLossWarning, Workbench
 
 
@@ -112,12 +112,12 @@ def test_restore_returns_to_the_start():
 def test_bad_settings_raise_one_line_and_change_nothing(bad, match):
     wb = Workbench(*make())
     wb.run(2)
-    before, before_opt, state = weights(wb.model), opt_state(wb.optimizer), _state.snapshot()
+    before, before_opt, state = weights(wb.model), opt_state(wb.optimizer), putback_state.torch_state()
     with pytest.raises(ValueError, match=match) as err:
         wb.set(**bad)
     assert "\n" not in str(err.value)
     assert same(weights(wb.model), before) and same_opt(opt_state(wb.optimizer), before_opt)
-    assert (wb.mode.name, wb.tf32, _state.snapshot()) == ("32-true", False, state)
+    assert (wb.mode.name, wb.tf32, putback_state.torch_state()) == ("32-true", False, state)
 
 
 def test_bad_construction_raises_and_leaves_the_model_alone():
@@ -136,10 +136,10 @@ def test_bad_construction_raises_and_leaves_the_model_alone():
 @pytest.mark.parametrize("mode", CPU_MODES)
 @pytest.mark.parametrize("tf32", [False, True])
 def test_global_state_restored_after_a_step_and_a_raising_loss(mode, tf32):
-    state = _state.snapshot()
+    state = putback_state.torch_state()
     wb = Workbench(*make(), mode=mode, tf32=tf32)
     wb.step()
-    assert _state.snapshot() == state
+    assert putback_state.torch_state() == state
     before = weights(wb.model)
 
     def broken(out, y):
@@ -148,7 +148,7 @@ def test_global_state_restored_after_a_step_and_a_raising_loss(mode, tf32):
     wb.loss_fn = broken
     with pytest.raises(RuntimeError, match="loss exploded"):
         wb.step()
-    assert _state.snapshot() == state
+    assert putback_state.torch_state() == state
     assert same(weights(wb.model), before) and len(wb.history) == 1
 
 

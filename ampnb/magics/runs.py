@@ -13,7 +13,7 @@ import torch
 from IPython.core.error import UsageError
 from torch import nn
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb._kernels import without_override_frames
 from ampnb._tree import named_tensors
 from ampnb.comparison.snapshot import cell_models, module_roots, used_names
@@ -113,14 +113,14 @@ def mode_notes(s: StepSettings, mode: PrecisionMode, models: dict[str, nn.Module
     return notes
 
 
-def _tf32_text(s: StepSettings, state: _state.TorchState | None = None) -> str:
+def _tf32_text(s: StepSettings, state: putback_state.TorchState | None = None) -> str:
     """TF32 as the cell ran it; `state`: a snapshot taken after the cell (read anew if None)."""
     if s.tf32 is None:
         return ("on" if _matmul_tf32(state) else "off") + " (as is)"
     return "emulated" if s.tf32 is TF32Setting.emulate else s.tf32.value
 
 
-def _matmul_tf32(state: _state.TorchState | None) -> bool:
+def _matmul_tf32(state: putback_state.TorchState | None) -> bool:
     """Whether fp32 matmuls may use TF32, from the snapshot the cell's state note reads anyway."""
     if state is None or state.matmul_precision is None:  # torch refused: the switch reads past it
         return tf32_state().matmul
@@ -193,7 +193,7 @@ def _dtype_note(kept: Any) -> list[str]:
             "every mode (set it outside %%amp to keep it)"]
 
 
-def _state_note(before: _state.TorchState, after: _state.TorchState) -> list[str]:
+def _state_note(before: putback_state.TorchState, after: putback_state.TorchState) -> list[str]:
     changed = [f.name for f in fields(before) if getattr(before, f.name) != getattr(after, f.name)]
     if not changed:
         return []
@@ -208,7 +208,7 @@ def run_once(shell: Any, cell: str, s: StepSettings, args: Any,
     compiled = compile_cell(shell, cell)
     ns = shell.user_ns
     measure_apart([s.mode], s.device)
-    watch, before = Watch(ns), _state.snapshot()
+    watch, before = Watch(ns), putback_state.torch_state()
     probes = instruments.probes(args, s)
     dev = torch.device(s.device)
     try:
@@ -229,7 +229,7 @@ def run_once(shell: Any, cell: str, s: StepSettings, args: Any,
             raise
     emulation, kept = entered[0][0], entered[0][-1]
     made = watch.made(value)
-    after = _state.snapshot()
+    after = putback_state.torch_state()
     notes = (_notes(s, s.mode, emulation) + mode_notes(s, s.mode, models)
              + _true_mode_note(s.mode, made) + _dtype_note(kept) + _state_note(before, after))
     code = show_code(s.mode, s.device, s.tf32, cell, args.mode) if args.show_code else None

@@ -11,8 +11,8 @@ import torch
 from zoo_models import Case
 
 import ampnb
-from ampnb._state import snapshot
 from ampnb.formats import get_format
+from ampnb.putback_state import torch_state as snapshot
 
 
 def test_doctor_runs_on_zoo_model(case: Case) -> None:

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from zoo_models import BUILDERS, Case, matmul_layers, others_by_type
 
-from ampnb._state import snapshot
 from ampnb.batch import as_batch, step_loss
 from ampnb.fp8 import Fp8Linear, convert_to_fp8, plan, side_by_side
 from ampnb.fp8.convert import ALIGN_IN, ALIGN_OUT
+from ampnb.putback_state import torch_state as snapshot
 
 
 def features(m: nn.Module) -> tuple[int, int]:

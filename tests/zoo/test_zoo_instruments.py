@@ -10,7 +10,7 @@ from _garbage import Garbage as _Garbage
 from zoo_models import BUILDERS, Case
 
 import ampnb
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.batch import as_batch, step_loss
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -38,7 +38,7 @@ def _logits(out) -> torch.Tensor:
 
 
 def test_trace_agrees_with_autocast(case: Case):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with ampnb.trace_ops() as fp32:
         _step(case)()
     c = fp32.counts
@@ -53,7 +53,7 @@ def test_trace_agrees_with_autocast(case: Case):
         with pytest.raises(RuntimeError, match=str(e).split(".")[0]):
             with ampnb.trace_ops():
                 _step(case, torch.bfloat16)()
-        assert _state.snapshot() == before
+        assert putback_state.torch_state() == before
         return
     with ampnb.trace_ops() as mixed:
         _step(case, torch.bfloat16)()
@@ -62,7 +62,7 @@ def test_trace_agrees_with_autocast(case: Case):
            and r.output_dtype == "bfloat16"]
     assert low and all(r.category == "lowered" for r in low)
     assert mixed.counts["cast"] > 0 and mixed.select(phase="backward")
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_healthy_fp32_train_step_is_not_blamed(case: Case):

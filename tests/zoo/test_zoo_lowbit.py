@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from zoo_models import BUILDERS, Case, matmul_layers, others_by_type
 
-from ampnb._state import snapshot
 from ampnb.batch import as_batch, step_loss
 from ampnb.lowbit import Adam8bit, Linear4bit, get_lowbit, param_groups, quantize_model, roundtrip
+from ampnb.putback_state import torch_state as snapshot
 
 
 def model_inputs(case: Case):

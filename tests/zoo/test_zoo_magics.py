@@ -10,7 +10,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 from zoo_models import Case
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb._tree import named_tensors
 from ampnb.batch import as_batch, step_loss
 from ampnb.display import dtype_name
@@ -37,12 +37,12 @@ def ip(case: Case):
                          args=batch.args, kwargs=dict(batch.kwargs), loss_fn=case.loss_fn,
                          step_loss=step_loss)
     assert shell.run_cell(TRAIN).success
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     yield shell
     shell.run_line_magic("unload_ext", "ampnb")
     for name in set(shell.user_ns) - names:
         del shell.user_ns[name]
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def _onednn_refuses(error: BaseException) -> bool:

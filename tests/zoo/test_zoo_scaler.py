@@ -13,7 +13,7 @@ import pytest
 import torch
 from zoo_models import BUILDERS, Case
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.fp16_kernels import emulated_fp16_kernels, emulates_fp16
 from ampnb.scaler import ScalerStepper
 
@@ -79,12 +79,12 @@ def _same(case: Case, mode: str, steps: int, inject=None) -> ScalerStepper:
     try:
         scales, skipped = plain_loop(ref, mode, steps, inject)
     except RuntimeError as err:  # torch itself refuses on some CPUs (oneDNN's bf16 nn.LSTM)
-        stepper, before = make_stepper(case, mode), _state.snapshot()
+        stepper, before = make_stepper(case, mode), putback_state.torch_state()
         with pytest.raises(RuntimeError) as same:
             stepper.step()
         assert str(same.value) == str(err)
         assert stepper.next_stage_name == "forward" and not stepper.stages
-        assert _state.snapshot() == before
+        assert putback_state.torch_state() == before
         pytest.skip(f"plain torch raised on this CPU ({str(err)[:60]}...); the stepper raised "
                     f"the same and changed nothing")
     stepper = stepper_run(case, mode, steps, inject)

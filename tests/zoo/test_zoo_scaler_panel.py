@@ -6,7 +6,7 @@ import pytest
 import torch
 from zoo_models import BUILDERS
 
-from ampnb import _state
+from ampnb import putback_state
 from ampnb.panels import ScalerPanel
 from ampnb.scaler import ScalerStepper
 
@@ -19,7 +19,7 @@ def _stepper(name: str) -> ScalerStepper:
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_clicks_equal_direct_calls_on_a_keyword_batch_model(name):
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     clicked, direct = _stepper(name), _stepper(name)
     panel = ScalerPanel(clicked, run_n=2)
     layer = panel.layer.options[-1]  # one layer's gradients
@@ -41,4 +41,4 @@ def test_clicks_equal_direct_calls_on_a_keyword_batch_model(name):
     assert [r.losses for r in clicked.history] == [r.losses for r in direct.history]
     for a, b in zip(clicked.model.parameters(), direct.model.parameters()):
         assert torch.equal(a, b)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
