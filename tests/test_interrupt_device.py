@@ -17,7 +17,7 @@ import torch
 import ampnb.cpu
 import ampnb.device.tf32_switch
 import ampnb.modes.base
-from ampnb import _interrupt, _state
+from ampnb import _interrupt, putback_state
 from ampnb.device import (
     cpu_features,
     cpu_features_as,
@@ -63,12 +63,12 @@ def interrupt_at(k: int, body: Callable[[], None]) -> bool:
 
 def sweep(body: Callable[[], None], check: Callable[[], None] | None = None) -> int:
     """Interrupt body at each of its lines in turn; the global state is always as before."""
-    before, features = _state.snapshot(), cpu_features()
+    before, features = putback_state.torch_state(), cpu_features()
     k = 0
     while True:
         k += 1
         reached = interrupt_at(k, body)
-        assert _state.snapshot() == before, f"state changed by an interrupt at line {k}"
+        assert putback_state.torch_state() == before, f"state changed by an interrupt at line {k}"
         assert cpu_features() == features and not ampnb.cpu._override, k
         assert not _interrupt._pending and not _interrupt.deferring(), k
         if check is not None:

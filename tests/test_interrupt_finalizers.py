@@ -23,7 +23,7 @@ from IPython.utils.capture import capture_output
 from torch import nn
 
 import ampnb
-from ampnb import _interrupt, _state
+from ampnb import _interrupt, putback_state
 
 BUDGET = int(os.environ.get("AMPNB_SWEEP_BUDGET", "60")) or 10**9
 _WEAK = {"ref", "proxy", "WeakMethod", "finalize"}
@@ -74,14 +74,14 @@ def test_no_ampnb_code_runs_in_a_finalizer():
 def lost_interrupts(fn, budget: int) -> tuple[int, list[str]]:
     """Interrupt fn at sampled ampnb lines; returns (points tried, interrupts that were lost
     or left torch state behind)."""
-    def check(before: _state.TorchState) -> list[str]:
+    def check(before: putback_state.TorchState) -> list[str]:
         problems = ["the interrupt was still held after the run"] if _interrupt._pending else []
         _interrupt._pending.clear()
-        after = _state.snapshot()
+        after = putback_state.torch_state()
         changed = [k for k in before.__dataclass_fields__ if getattr(before, k) != getattr(after, k)]
         return problems + ([f"torch state changed: {', '.join(changed)}"] if changed else [])
 
-    return sweep(_state.snapshot, lambda _: fn(), check, budget)
+    return sweep(putback_state.torch_state, lambda _: fn(), check, budget)
 
 
 ip = pytest.fixture(scope="module", name="ip")(loaded_shell)

@@ -18,7 +18,7 @@ from _magics_kit import loaded_shell
 from _sweep import sweep
 from IPython.utils.capture import capture_output
 
-from ampnb import _interrupt, _state, backwards
+from ampnb import _interrupt, backwards, putback_state
 from ampnb.instruments.trace import is_internal, trace_ops
 
 # Interrupt points per scenario: 60 keeps the sweep well under 2 minutes; AMPNB_SWEEP_BUDGET=0
@@ -29,9 +29,9 @@ BUDGET = int(os.environ.get("AMPNB_SWEEP_BUDGET", "60")) or 10**9
 ip = pytest.fixture(scope="module", name="ip")(loaded_shell)
 
 
-def _common(before: _state.TorchState) -> list[str]:
+def _common(before: putback_state.TorchState) -> list[str]:
     problems = []
-    after = _state.snapshot()
+    after = putback_state.torch_state()
     if after != before:
         changed = [k for k in before.__dataclass_fields__ if getattr(before, k) != getattr(after, k)]
         problems.append(f"torch state changed: {', '.join(changed)}")
@@ -57,7 +57,7 @@ def _cell_world(ip):
     lin = torch.nn.Linear(8, 4)
     ip.user_ns.update(torch=torch, lin=lin, x=torch.randn(3, 8, generator=g))
     return {"ip": ip, "lin": lin, "weights": copy.deepcopy(lin.state_dict()),
-            "before": _state.snapshot()}
+            "before": putback_state.torch_state()}
 
 
 def _cell_check(world) -> list[str]:
@@ -104,7 +104,7 @@ def _panel_world():
     wb = Workbench(*demo("mlp"))
     panel = PrecisionPanel(wb)
     weights = {k: v.clone() for k, v in wb.model.state_dict().items()}
-    return {"panel": panel, "wb": wb, "weights": weights, "before": _state.snapshot()}
+    return {"panel": panel, "wb": wb, "weights": weights, "before": putback_state.torch_state()}
 
 
 def _panel_check(world) -> list[str]:
@@ -193,7 +193,7 @@ def test_interrupt_at_any_function_entry_in_a_watched_loop_leaks_nothing():
         m = torch.nn.Linear(8, 1)
         hooks = (dict(m._forward_hooks), dict(m._forward_pre_hooks))
         return {"m": m, "opt": torch.optim.SGD(m.parameters(), lr=0.1), "hooks": hooks,
-                "before": _state.snapshot(), "process": process_state()}
+                "before": putback_state.torch_state(), "process": process_state()}
 
     def run(w):
         with ampnb.watch(w["m"], w["opt"]):
@@ -206,7 +206,7 @@ def test_interrupt_at_any_function_entry_in_a_watched_loop_leaks_nothing():
         problems = changed(w["process"], process_state())
         if (dict(w["m"]._forward_hooks), dict(w["m"]._forward_pre_hooks)) != w["hooks"]:
             problems.append("the watch's hooks are still on the model")
-        if _state.snapshot() != w["before"]:
+        if putback_state.torch_state() != w["before"]:
             problems.append("torch state changed")
         return problems
 

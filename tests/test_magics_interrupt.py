@@ -12,7 +12,7 @@ import torch
 from _magics_kit import shell_with_ampnb
 
 import ampnb
-from ampnb import _interrupt, _state
+from ampnb import _interrupt, putback_state
 
 # The lines swept: %%amp's and compare's own files (the cell itself is interrupted elsewhere).
 MINE = tuple(os.path.join(os.path.dirname(ampnb.__file__), d) for d in ("magics", "comparison"))
@@ -73,7 +73,7 @@ def _sweep(ip, line: str, cell: str) -> None:
     model, opt = ns["model"], ns["opt"]
     ip.run_cell("train_step()")  # momentum buffers exist: there is optimizer state to keep
     weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    names, before = set(ns), _state.snapshot()
+    names, before = set(ns), putback_state.torch_state()
 
     def run(n):
         tracer = _InterruptAt(n)
@@ -93,7 +93,7 @@ def _sweep(ip, line: str, cell: str) -> None:
     for n in [*range(1, total + 1, step), total]:
         tracer = run(n)
         assert tracer.fired
-        assert _state.snapshot() == before, n
+        assert putback_state.torch_state() == before, n
         now = model.state_dict()
         if "--compare" in line:  # compare leaves everything as before the cell
             assert all(torch.equal(now[k], weights[k]) for k in weights), n

@@ -14,7 +14,7 @@ import torch.nn.functional as F  # noqa: N812
 from test_scaler import make
 
 import ampnb.scaler
-from ampnb import _interrupt, _state
+from ampnb import _interrupt, putback_state
 from ampnb.scaler import ScalerStepper
 
 
@@ -60,12 +60,12 @@ def test_bad_input_is_one_line_value_error_and_changes_nothing(name):
     batches = kwargs.pop("batches", batches)
     params = copy.deepcopy(model.state_dict())
     opt_state = copy.deepcopy(opt.state_dict())
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(ValueError) as err:
         ScalerStepper(model, opt, loss_fn, batches, **kwargs)
     message = str(err.value)
     assert fragment in message and "\n" not in message
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert all(torch.equal(params[k], v) for k, v in model.state_dict().items())
     assert opt.state_dict() == opt_state
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -79,20 +79,20 @@ def test_torch_state_restored_when_user_loss_raises():
         raise RuntimeError("user bug")
 
     stepper = ScalerStepper(model, opt, broken_loss, batches)
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(RuntimeError, match="user bug"):
         stepper.next_stage()
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert stepper.next_stage_name == "forward"  # the failed stage did not advance
 
 
 def test_torch_state_and_hooks_restored_after_steps():
     model, opt, loss_fn, batches = make()
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     stepper = ScalerStepper(model, opt, loss_fn, batches, clip_norm=1.0)
     stepper.inject("inf")
     stepper.run(2)
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert not opt._optimizer_step_post_hooks  # our observer hook was removed
 
 
@@ -171,10 +171,10 @@ def test_batches_in_every_form_match_the_inputs_targets_loop(form):
 def test_a_model_without_a_loss_and_no_loss_fn_fails_cleanly_and_changes_nothing():
     model, opt, _, batches = make()
     stepper = ScalerStepper(model, opt, None, [x for x, _ in batches])  # positional inputs
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(ValueError, match="without a loss; allowed: pass loss_fn=") as err:
         stepper.next_stage()
-    assert "\n" not in str(err.value) and _state.snapshot() == before
+    assert "\n" not in str(err.value) and putback_state.torch_state() == before
     assert stepper.next_stage_name == "forward" and stepper.batch_index == 0
     assert not stepper.stages
 
@@ -252,13 +252,13 @@ def test_an_interrupt_at_any_line_of_a_step_leaves_the_stepper_consistent():
     lines, interrupted = _step_interrupted_at(ref, 0)
     assert not interrupted and lines > 100
     ref.run(1)
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     for k in range(1, lines + 1):
         model, opt, stepper = _interrupt_case()
         done = len(stepper.stages)
         _, interrupted = _step_interrupted_at(stepper, k)
         assert interrupted, k
-        assert _state.snapshot() == before, k
+        assert putback_state.torch_state() == before, k
         assert not opt._optimizer_step_post_hooks, k
         # Every stage that ran is recorded, in the plan's order, and the cursor agrees.
         ran = [s.stage for s in list(stepper.stages)[done:]]

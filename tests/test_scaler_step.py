@@ -8,7 +8,7 @@ import torch
 from test_scaler import make
 
 import ampnb.scaler.stepper as stepper_module
-from ampnb import _kernels, _state
+from ampnb import _kernels, putback_state
 from ampnb.fp16_kernels import set_fp16_kernels
 from ampnb.scaler import ScalerStepper
 from ampnb.scaler.stages import plan
@@ -48,14 +48,14 @@ def test_forward_under_autocast_backward_without_it_both_with_the_fp16_kernels(e
     model, opt, loss_fn, batches = make()
     model.insert(1, Probe(seen))
     stepper = ScalerStepper(model, opt, loss_fn, batches, accumulation_steps=2)
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     if outer_autocast:  # a learner's own autocast around the call changes nothing in backward
         with torch.autocast("cpu", dtype=torch.bfloat16):
             stepper.step()
     else:
         stepper.step()
     assert seen == [("forward", True, True), ("backward", False, True)] * 2
-    assert _state.snapshot() == before and not _kernels._active
+    assert putback_state.torch_state() == before and not _kernels._active
 
 
 def test_run_enters_the_step_context_once_and_a_lone_stage_once(monkeypatch):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import ampnb
-from ampnb import _interrupt, _state
+from ampnb import _interrupt, putback_state
 from ampnb.instruments import hunt as hunt_module
 from ampnb.instruments import trace as trace_module
 from ampnb.instruments.trace import category, internal, is_internal
@@ -98,17 +98,17 @@ def test_counts_sum_to_all_ops_and_limit_caps_rows_only():
 
 def test_state_and_hooks_restored_also_when_user_code_raises():
     model, x = _mlp()
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     with pytest.raises(RuntimeError, match="boom"):
         with ampnb.trace_ops() as t, torch.autocast("cpu", dtype=torch.bfloat16):
             model(x)
             raise RuntimeError("boom")
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
     assert t.select(op="addmm")  # what ran before the error is kept
     with pytest.raises(RuntimeError):
         with ampnb.trace_ops():
             model(torch.randn(4, 5))  # shape error inside a module forward
-    assert _state.snapshot() == before
+    assert putback_state.torch_state() == before
 
 
 def test_table_and_html_show_summary():
@@ -188,12 +188,12 @@ def test_an_interrupt_at_any_line_leaves_no_stuck_counter_hook_or_mode():
             torch.ones(1)
         ampnb.find_nonfinite(lambda: lin(x).sum().backward())
 
-    before = _state.snapshot()
+    before = putback_state.torch_state()
     total = _interrupt_at(0, cell)
     assert total > 50
     for k in range(1, total + 1):
         _interrupt_at(k, cell)
-        assert _state.snapshot() == before, f"state changed after an interrupt at line {k}"
+        assert putback_state.torch_state() == before, f"state changed after an interrupt at line {k}"
         assert not is_internal() and not _interrupt._pending, f"line {k}"
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         with ampnb.trace_ops() as t:

@@ -15,7 +15,7 @@ from torch import nn
 from watch_models import Planted, batches, run
 
 import ampnb
-from ampnb import _interrupt, _state
+from ampnb import _interrupt, putback_state
 
 BUDGET = int(os.environ.get("AMPNB_SWEEP_BUDGET", "60")) or 10**9
 
@@ -31,7 +31,7 @@ def _hooks(m, opt, sc):
     """Everything the watch may add, as it stands."""
     mods = [(dict(x._forward_hooks), dict(x._forward_pre_hooks)) for x in m.modules()]
     return (mods, dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_step_post_hooks),
-            set(vars(sc)), _state.snapshot())
+            set(vars(sc)), putback_state.torch_state())
 
 
 def test_close_removes_every_hook_replaces_no_method_and_is_idempotent():
