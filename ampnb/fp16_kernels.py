@@ -21,6 +21,7 @@ from ampnb._interrupt import Guard
 from ampnb._kernels import KernelOverride
 from ampnb._tree import map_tensors
 from ampnb.cpu import cpu_native
+from ampnb.putback import generator
 
 aten = torch.ops.aten
 HALF = torch.float16
@@ -211,7 +212,7 @@ def _best_seconds(run: Any, repeat: int) -> float:
 def native_slowdown() -> float:
     """Native fp16 CPU matmul time / emulated time here, on a SLOWDOWN_SHAPE mm (measured once)."""
     m, k, n = SLOWDOWN_SHAPE
-    g = torch.Generator().manual_seed(0)
+    g = generator(0)
     a, b = torch.randn(m, k, generator=g).half(), torch.randn(k, n, generator=g).half()
     mode = Fp16KernelEmulation()
 

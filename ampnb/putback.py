@@ -136,6 +136,11 @@ def fastpath_off() -> Guard:
     return Guard(_fastpath_off, torch.backends.mha.set_fastpath_enabled)
 
 
+def generator(value: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator of ampnb's own, seeded with `value`: its draws leave every other stream alone."""
+    return torch.Generator(device=device).manual_seed(value)
+
+
 def seed(value: int, device: str) -> None:
     """Seed every generator a run draws from, alike in each run: torch's (CUDA's when the run is
     on CUDA), numpy's global one (SpecAugment-style masks) and Python's `random`."""

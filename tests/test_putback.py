@@ -328,6 +328,8 @@ OLD_HOMES = {"start.py": "start.py", "diagnosis/safety.py": "diagnosis/core.py",
 # Reading or setting a generator, or the global state the safety net puts back, by hand.
 OWN_COPIES = [r"get_rng_state", r"set_rng_state", r"random\.getstate", r"random\.setstate",
               r"random\.get_state", r"random\.set_state", r"\brandom\.seed\(", r"manual_seed_all",
+              r"\bfork_rng\b", r"\bmanual_seed\(", r"\.get_state\(\)", r"\.set_state\(",
+              r"\bRandomState\(", r"default_rng\(",
               r"default_generator\.(get_state|manual_seed)", r"_get_current_dispatch_mode_stack",
               r"_python_dispatch import _pop_mode", r"\bdrop_overrides\(", r"class TorchState\b"]
 # A model's or optimizer's set-aside copy, written out again.

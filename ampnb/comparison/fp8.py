@@ -21,6 +21,8 @@ from ampnb.fp8.convert import Fp8Report, convert_to_fp8
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 from ampnb.fp8.stats import Fp8Stats
 from ampnb.modes import get_mode
+from ampnb.putback import rng_kept
+from ampnb.putback import seed as putback_seed
 from ampnb.start import Start
 from ampnb.step import StepSettings, step_context, train_step
 
@@ -79,8 +81,8 @@ def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, se
     losses = []
     scaler = mode.make_scaler(device)
     # Same seed for every run: dropout draws the same masks, and the caller's RNG is kept.
-    with torch.random.fork_rng(devices=[] if device == "cpu" else None):
-        torch.manual_seed(seed)
+    with rng_kept():
+        putback_seed(seed, device)
         try:
             with step_context(StepSettings(mode, device)):
                 for b in itertools.islice(itertools.cycle(work.batches), steps):

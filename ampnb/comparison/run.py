@@ -19,6 +19,8 @@ from ampnb.device import TF32_ALLOWED, devices, place, sync, tf32_setting, tf32_
 from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.putback import rng_kept
+from ampnb.putback import seed as seed_every_generator
 from ampnb.selective import keep_patterns, matching_modules
 from ampnb.step import StepSettings, all_of, cell_context
 
@@ -91,7 +93,7 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
 
     The reference is 32-true with TF32 off (IEEE fp32); the modes run under `tf32` ('on',
     'off', 'emulate', None = as the flags are). Every run starts from `work.prepare(mode)` and
-    `torch.manual_seed(seed)` and ends with `work.restore()`; the RNG state is restored
+    `putback.seed(seed)` (every generator) and ends with `work.restore()`; the RNG state is restored
     afterwards. Runs go round-robin over the modes so that drift hits all alike. A mode whose
     run raises gets a failed row with the error; only a failing 32-true run raises.
     The device is where `model`'s parameters are (torch's default device without a model);
@@ -200,7 +202,7 @@ def _measure(work: Work, o: CompareOptions, entries: list[_Entry], dev: torch.de
                             o.model if island else None)
         with Guard(lambda: work.prepare(mode), lambda _: work.restore()) as note:
             notes[e] = note
-            torch.manual_seed(o.seed)
+            seed_every_generator(o.seed, str(dev))
             with all_of([cell] + ([meter] if meter is not None else [])):
                 sync(dev)
                 t0 = time.perf_counter()
@@ -228,7 +230,7 @@ def _measure(work: Work, o: CompareOptions, entries: list[_Entry], dev: torch.de
             done += 1
             return None
 
-    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+    with rng_kept():
         for e in entries:
             meter = MemoryMeter(dev)
             attempt(e, meter)  # the first warm-up also measures memory

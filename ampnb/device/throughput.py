@@ -12,6 +12,7 @@ from ampnb.device.hardware import devices, get_device, support, sync
 from ampnb.device.tf32_switch import tf32
 from ampnb.display import Table
 from ampnb.formats import get_format
+from ampnb.putback import generator
 
 _MEASURABLE = ("fp64", "fp32", "tf32", "bf16", "fp16")
 _TABLE_FORMATS = ("fp32", "tf32", "bf16", "fp16")
@@ -37,7 +38,7 @@ _CACHE: dict[tuple[str, str, int, bool], Throughput] = {}
 
 def _measure(device: torch.device, fmt: str, n: int, note: str) -> Throughput:
     dtype = torch.float32 if fmt == "tf32" else get_format(fmt).torch_dtype
-    gen = torch.Generator(device=device).manual_seed(0)  # leaves the user's RNG stream alone
+    gen = generator(0, device)  # leaves the user's RNG stream alone
     a, b = (torch.randn(n, n, generator=gen, device=device).to(dtype) for _ in range(2))
     with tf32(fmt == "tf32"), torch.no_grad():
         once = []

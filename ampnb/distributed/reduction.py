@@ -18,6 +18,7 @@ from ampnb.display import Table, TableView
 from ampnb.distributed import _demo
 from ampnb.distributed._plan import Plan, run_plan
 from ampnb.formats import quantize
+from ampnb.putback import generator
 
 ORDERS = ("ring", "tree")
 VARIANTS = (("fp32", False), ("bf16", False), ("fp16", False), ("fp16", True))
@@ -29,7 +30,7 @@ def rank_gradients(n: int, seed: int = 0) -> torch.Tensor:
 
     net = _demo.model()
     params = {k: v.detach() for k, v in net.named_parameters()}
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     x, y = torch.randn(n, _demo.WIDTH, generator=g), torch.randn(n, 4, generator=g)
 
     def loss(p: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ from ampnb.display import Table, TableView, format_bytes
 from ampnb.instruments.memory import measure_memory
 from ampnb.lowbit.optim import MIN_8BIT_SIZE, Adam8bit, param_groups
 from ampnb.modes import get_mode
+from ampnb.putback import rng_kept
+from ampnb.putback import seed as putback_seed
 from ampnb.step import StepSettings, step_context, train_step
 
 Factory = Callable[[nn.Module, float], torch.optim.Optimizer]
@@ -74,8 +76,8 @@ def compare_optimizers(name: str = "gpt", steps: int = 150, *, lr: float | None 
         curve = []
         mode, device = get_mode("32-true"), str(next(d.model.parameters()).device)
         scaler = mode.make_scaler(device)
-        with torch.random.fork_rng(devices=[]), step_context(StepSettings(mode, device)):
-            torch.manual_seed(seed)  # same dropout masks in every run
+        with rng_kept(), step_context(StepSettings(mode, device)):
+            putback_seed(seed, device)  # same dropout masks in every run
             for b in itertools.islice(itertools.cycle(d.batches), steps):
                 done = train_step(mode, d.model, opt, as_batch(b, d.loss_fn), d.loss_fn,
                                   device=device, scaler=scaler)

@@ -12,6 +12,8 @@ from torch import nn
 from ampnb.models.cnn import SmallCNN, bars
 from ampnb.models.gpt import SequenceCrossEntropy, TinyGPT, corpus
 from ampnb.models.mlp import MLP, spirals
+from ampnb.putback import generator, rng_kept
+from ampnb.putback import seed as putback_seed
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -117,10 +119,10 @@ def demo(name: str, seed: int = 0, lr: float | None = None,
     if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0):
         raise ValueError(f"lr={lr!r} is not allowed; allowed: a positive number.")
     device = torch.device(device)
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     # Seed parameter initialisation without touching the user's global RNG stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with rng_kept():
+        putback_seed(seed, "cpu")
         model, loss_fn, batches = spec.build(g, **knobs)
     model = model.to(device)
     batches = [(x.to(device), y.to(device)) for x, y in batches]

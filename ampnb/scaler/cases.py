@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from ampnb.formats import get_format
+from ampnb.putback import generator
 from ampnb.scaler.records import format_scale
 
 _LR = 0.1
@@ -15,7 +16,7 @@ _LR = 0.1
 def _tiny(seed: int = 0, width: int = 16) -> tuple[torch.nn.Module, torch.optim.Optimizer,
                                                   torch.Tensor, torch.Tensor]:
     """A two-layer MLP, its SGD optimizer and one batch; the same every time for a seed."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
     with torch.no_grad():
         for p in model.parameters():

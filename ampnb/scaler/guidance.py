@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ampnb.putback import rng_kept
 from ampnb.scaler import cases
 from ampnb.scaler.records import format_scale
 
@@ -127,9 +128,9 @@ def explain(case: str) -> Guidance:
 @functools.cache
 def _explain(case: str) -> Guidance:
     # The demos are deterministic, so one run per session is enough (the panel asks often);
-    # fork_rng keeps the tiny models' initialisation out of the user's random stream.
+    # rng_kept keeps the tiny models' initialisation out of the user's random streams.
     c = GUIDANCE[case]
-    with torch.random.fork_rng(devices=[]):
+    with rng_kept():
         torch_says, figures = c.demo()
     return Guidance(case, c.title, torch_says, c.words.format(**figures), c.fix)
 
