@@ -12,9 +12,11 @@ Python reported as unraisable (raised in a finalizer, where it is lost), is a le
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,21 @@ import torch
 import ampnb
 
 PACKAGE = str(Path(ampnb.__file__).resolve().parent)
+
+
+@contextlib.contextmanager
+def _no_collector() -> Iterator[None]:
+    """The cyclic garbage collector off while a run is counted or interrupted: when it runs
+    depends on everything the process allocated before (other tests' objects), and its
+    callbacks (hypothesis registers one) are function entries too, so the k-th event of a run
+    would not be the same event from one run to the next."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _in_ampnb(frame: Any) -> bool:
@@ -52,11 +69,12 @@ class LineCounter:
 
     def run(self, fn: Callable[[], Any]) -> Any:
         previous = sys.gettrace()
-        sys.settrace(self._global)
-        try:
-            return fn()
-        finally:
-            sys.settrace(previous)
+        with _no_collector():
+            sys.settrace(self._global)
+            try:
+                return fn()
+            finally:
+                sys.settrace(previous)
 
 
 class CallCounter:
@@ -81,11 +99,12 @@ class CallCounter:
 
     def run(self, fn: Callable[[], Any]) -> Any:
         previous = sys.getprofile()
-        sys.setprofile(self._profile)
-        try:
-            return fn()
-        finally:
-            sys.setprofile(previous)
+        with _no_collector():
+            sys.setprofile(self._profile)
+            try:
+                return fn()
+            finally:
+                sys.setprofile(previous)
 
 
 COUNTERS = {"lines": LineCounter, "calls": CallCounter}
