@@ -139,13 +139,17 @@ def interrupt_at(k: int, fn: Callable[[], Any], events: str = "lines"
     """Run fn with an interrupt at its k-th event: (where it fired, how it was lost)."""
     counter, unraisable = COUNTERS[events](stop_at=k), []
     previous, sys.unraisablehook = sys.unraisablehook, unraisable.append
-    reached = False
+    reached, raised = False, None
     try:
         counter.run(fn)
     except KeyboardInterrupt:
         reached = True
+    except Exception as err:  # noqa: BLE001 - a run broken by the state an interrupt left
+        raised = f"the run raised {type(err).__name__}: {err}"
     finally:
         sys.unraisablehook = previous
+    if raised:
+        return counter.fired_at, [raised]
     lost = [u for u in unraisable if issubclass(u.exc_type, KeyboardInterrupt)]
     if lost and all(_foreign_finalizer(u.object) for u in lost):
         # closing a generator torch's code left suspended (`all(genexpr)` stopping early) as
@@ -163,9 +167,12 @@ def sweep(setup: Callable[[], Any], run: Callable[[Any], Any],
           ) -> tuple[int, list[str]]:
     """Interrupt `run(setup())` at sampled lines of ampnb (events="lines") or function entries
     anywhere (events="calls"); returns (points tried, leak descriptions)."""
+    from ampnb.putback_state import Globals
+
     total = lines_of(lambda: run(setup()), events)
     leaks = []
     tried = points(total, budget)
+    clean = Globals.take()
     for k in tried:
         world = setup()
         fired_at, lost = interrupt_at(k, lambda w=world: run(w), events)
@@ -173,6 +180,8 @@ def sweep(setup: Callable[[], Any], run: Callable[[Any], Any],
             problems = check(world)
         except KeyboardInterrupt:  # a held interrupt that surfaced only after the run
             problems = ["an interrupt held during the run was raised only afterwards"]
+        finally:
+            clean.restore()  # one leak is reported once, not again by every later point
         problems += lost
         if problems:
             leaks.append(f"{events[:-1]} {k}/{total} at {fired_at}: {'; '.join(problems)}")

@@ -34,7 +34,7 @@ from ampnb._tree import map_tensors
 from ampnb.putback import Rng
 from ampnb.start import param_dtype
 from ampnb.step import _AUTOCAST_DEVICES
-from ampnb.watcher import inputs, owner
+from ampnb.watcher import inputs, owner, stepping
 from ampnb.watcher.backward import Backwards, in_backward
 from ampnb.watcher.ending import Ending
 from ampnb.watcher.hooks import Hook, StepState, fast_probe, float_outputs, module_names
@@ -179,6 +179,7 @@ class Watch(Backwards, Ending):
                 undo.append(m.register_forward_hook(Hook(self._on_forward_end),
                                                     always_call=True).remove)
             opt = self._optimizer
+            undo.append(lambda: stepping.forget(opt))
             undo.append(opt.register_step_pre_hook(Hook(self._pre_step)).remove)
             undo.append(opt.register_step_post_hook(Hook(self._post_step)).remove)
             if self.log_dir is not None:
@@ -300,6 +301,7 @@ class Watch(Backwards, Ending):
         s.on_output(i, s.stats and i in self._stat_set, args, out)
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        stepping.started(optimizer)
         closure = backwards.runs_inside(args, kwargs)
         self._stepping, self._rooted_in_step = ("closure" if closure else "plain"), False
         if not closure:  # off the stack through the update
@@ -329,9 +331,12 @@ class Watch(Backwards, Ending):
                         if p.grad is not None and p.dtype in _NARROW]
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        backwards.resume(optimizer)
-        self._stepping = None
-        self._finish(skipped=False)
+        try:
+            backwards.resume(optimizer)
+            self._stepping = None
+            self._finish(skipped=False)
+        finally:
+            stepping.ended(optimizer)
 
 def _keep_grad(grads: list, k: int, g: torch.Tensor) -> None:
     grads[k] = g.detach()
