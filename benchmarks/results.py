@@ -2,8 +2,8 @@
 
 The README and the docs pages cite figures from this file instead of typing them
 (tests/test_readme_figures.py checks that every number in their prose is found here or in a
-checked output). Running a
-subset (`python -m benchmarks fp16`) replaces only that module's section.
+checked output). Running a subset (`python -m benchmarks fp16`) replaces only that module's
+section.
 """
 
 from __future__ import annotations
