@@ -85,8 +85,8 @@ binder-check: $(STAMP)
 	AMPNB_BINDER_CHECK=1 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_binder.py -k fresh_venv
 
 # The documentation site: every tutorial executed (figures, tables, panels' widget state) and the
-# README's reference, warnings as errors; then a check that each page shows what its notebook
-# draws. Open build/docs/docs/index.html in a browser.
+# reference pages (docs/*.md), warnings as errors; then a check that each page shows what its
+# notebook draws. Open build/docs/docs/index.html in a browser.
 docs: $(STAMP)
 	rm -rf build/docs
 	$(VENV)/bin/sphinx-build -q -W --keep-going -b html -c docs . build/docs

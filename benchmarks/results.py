@@ -1,8 +1,9 @@
 """The results file `make bench` writes: every row, per benchmark module, with the machine it ran on.
 
-The README cites figures from this file instead of typing them (tests/test_readme_figures.py
-checks that every number in the README's prose is found here or in a checked output). Running a
-subset (`python -m benchmarks fp16`) replaces only that module's section.
+The README and the docs pages cite figures from this file instead of typing them
+(tests/test_readme_figures.py checks that every number in their prose is found here or in a
+checked output). Running a subset (`python -m benchmarks fp16`) replaces only that module's
+section.
 """
 
 from __future__ import annotations

@@ -42,8 +42,9 @@ def problems(site: Path = SITE) -> list[str]:
                          f"{REMOTE_SCRIPT.search(html).group(0)}")
     if not (site / MANAGER).exists():
         found.append(f"{MANAGER}: not in the site")
-    if not (site / "docs" / "reference.html").exists():
-        found.append("docs/reference.html: not built")
+    for page in sorted((ROOT / "docs").glob("*.md")):  # start, the reference pages, the design
+        if not (site / "docs" / f"{page.stem}.html").exists():
+            found.append(f"docs/{page.stem}.html: not built")
     return found
 
 

@@ -1,5 +1,5 @@
 """Sphinx + MyST-NB: the tutorials executed with their figures, tables and widget state, and the
-README's reference sections. Built by `make docs` into build/docs (an artifact, not committed)."""
+reference pages (docs/*.md). Built by `make docs` into build/docs (an artifact, not committed)."""
 
 project = "ampnb"
 author = "the ampnb developers"

@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BINDER = ROOT / "binder"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-DOCS = (ROOT / "README.md", BINDER / "README.md", ROOT / "notebooks" / "README.md")
+# The docs that offer Binder: the README, Binder's and the notebooks' own, the site's start page.
+DOCS = (ROOT / "README.md", BINDER / "README.md", ROOT / "notebooks" / "README.md",
+        ROOT / "docs" / "start.md")
 # A Binder launch link: ...mybinder.org/v2/<provider>/<repo>/<ref>?urlpath=lab/tree/<path>
 LINK = re.compile(r"https://mybinder\.org/v2/([^?)\s\"']+)\?urlpath=([^)\s\"'&]+)")
 # What docs put where the account belongs when they do not know it.

@@ -1,8 +1,8 @@
-"""What the README says is true: its measured figures come from the results file or a checked
-output, and its examples with shown outputs run and give them.
+"""What the README and the docs pages say is true: their measured figures come from the results
+file or a checked output, and their examples with shown outputs run and give them.
 
-A measured figure is a number with a unit of time, size or ratio in the README's prose and
-tables (code blocks are examples, checked below). Each must be a number that
+A measured figure is a number with a unit of time, size or ratio in a page's prose and tables
+(code blocks are examples, checked below). Each must be a number that
 `benchmarks/RESULTS.md` (written by `make bench`) or a checked notebook output holds, or one of
 the few specification figures listed here with their source.
 """
@@ -18,6 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The README and every page of the docs site (the reference moved there from the README).
+PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 
 # Figures that are specifications, not measurements: the text says whose.
@@ -33,7 +35,7 @@ NUMBER = re.compile(NUM)
 
 
 def prose(text: str) -> str:
-    """The README without its fenced code blocks."""
+    """A page without its fenced code blocks."""
     return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
 
 
@@ -84,11 +86,16 @@ def notebook_prose() -> dict[str, str]:
     return found
 
 
-def test_every_figure_in_the_readme_comes_from_results_or_a_checked_output():
+def _name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_every_figure_in_the_readme_and_docs_comes_from_results_or_a_checked_output(page):
     sources = RESULTS.read_text() + checked_outputs()
-    missing = unsourced(README.read_text(), sources)
-    assert not missing, (f"README figures found in neither benchmarks/RESULTS.md (make bench) "
-                         f"nor a checked notebook output: {missing}")
+    missing = unsourced(page.read_text(), sources)
+    assert not missing, (f"{_name(page)}: figures found in neither benchmarks/RESULTS.md "
+                         f"(make bench) nor a checked notebook output: {missing}")
 
 
 @pytest.mark.parametrize("name", sorted(notebook_prose()))
@@ -108,18 +115,27 @@ class _Sanitized(doctest.OutputChecker):
                                     optionflags)
 
 
-def test_the_readme_examples_with_outputs_give_them():
+def pycon_blocks(page: Path) -> list[str]:
+    """The page's examples shown with their output (```pycon blocks)."""
+    return re.findall(r"^```pycon\n(.*?)^```", page.read_text(), re.S | re.M)
+
+
+def test_the_readme_shows_examples_with_outputs():
+    assert pycon_blocks(README), "the README shows no example with its output"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if pycon_blocks(p)], ids=_name)
+def test_the_examples_with_outputs_give_them(page):
     parser = doctest.DocTestParser()
-    examples = [b for b in re.findall(r"^```pycon\n(.*?)^```", README.read_text(), re.S | re.M)]
-    assert examples, "the README shows no example with its output"
     runner = doctest.DocTestRunner(checker=_Sanitized(), optionflags=doctest.ELLIPSIS)
-    globs: dict = {}
-    for i, block in enumerate(examples):
-        runner.run(parser.get_doctest(block, globs, f"README pycon block {i}", str(README), 0))
+    globs: dict = {}  # one namespace per page, as a reader runs its blocks in order
+    for i, block in enumerate(pycon_blocks(page)):
+        runner.run(parser.get_doctest(block, globs, f"{_name(page)} pycon block {i}", str(page), 0))
     result = runner.summarize(verbose=False)
     assert result.failed == 0 and result.attempted > 0
 
 
 @pytest.mark.parametrize("figure", sorted(SPECIFIED))
-def test_specification_figures_are_still_in_the_readme(figure):
-    assert figure in prose(README.read_text()), f"{figure} is no longer used; drop it from SPECIFIED"
+def test_specification_figures_are_still_in_the_readme_or_docs(figure):
+    assert any(figure in prose(p.read_text()) for p in PAGES), \
+        f"{figure} is no longer used; drop it from SPECIFIED"

@@ -1,5 +1,6 @@
-"""The README's "Your own model" rows say what ampnb prints on the README's own GPT-2, and
-an overflow that `tanh` absorbs by accident is not called deliberate."""
+"""The "Your own model" page's rows (docs/your_model.md, moved there from the README) say what
+ampnb prints on the page's own GPT-2, and an overflow that `tanh` absorbs by accident is not
+called deliberate."""
 
 from __future__ import annotations
 
@@ -13,19 +14,19 @@ from torch import nn
 import ampnb
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+PAGE = (ROOT / "docs" / "your_model.md").read_text()
 
 
 def _setup_code() -> str:
-    """The README's "Your own model" block that builds the tiny GPT-2 and its `step`."""
-    (block,) = [b for b in re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
+    """The page's block that builds the tiny GPT-2 and its `step`."""
+    (block,) = [b for b in re.findall(r"^```python\n(.*?)^```", PAGE, re.S | re.M)
                 if "GPT2LMHeadModel(GPT2Config(" in b and "step = " in b]
     return block
 
 
 def _row(marker: str) -> str:
-    """The quoted output in the README table row whose first cell holds `marker`."""
-    (line,) = [ln for ln in README.splitlines() if ln.startswith("|") and marker in ln.split("|")[1]]
+    """The quoted output in the page's table row whose first cell holds `marker`."""
+    (line,) = [ln for ln in PAGE.splitlines() if ln.startswith("|") and marker in ln.split("|")[1]]
     return re.search(r"`([^`]*)`", line.split("|")[2]).group(1)
 
 
@@ -37,7 +38,7 @@ def _pattern(quoted: str) -> re.Pattern:
 def test_the_fp16_overflow_row_is_what_find_nonfinite_prints():
     pytest.importorskip("transformers")
     space: dict = {}
-    exec(_setup_code(), space)  # noqa: S102 - the README's own code
+    exec(_setup_code(), space)  # noqa: S102 - the page's own code
     model, batch = space["model"], space["batch"]
     with torch.no_grad():
         model.transformer.h[1].mlp.c_fc.weight.mul_(2000)
@@ -74,9 +75,9 @@ def test_the_quantize_model_row_is_what_its_report_says():
     from ampnb import lowbit
 
     space: dict = {}
-    exec(_setup_code(), space)  # noqa: S102 - the README's own code
+    exec(_setup_code(), space)  # noqa: S102 - the page's own code
     model = space["model"]
-    (line,) = [ln for ln in README.splitlines() if ln.startswith("| `q, report = lowbit.quantize")]
+    (line,) = [ln for ln in PAGE.splitlines() if ln.startswith("| `q, report = lowbit.quantize")]
     call = re.search(r"`([^`]*)`", line).group(1)
     assert call == 'q, report = lowbit.quantize_model(model, "nf4")'
     q, report = lowbit.quantize_model(model, "nf4")

@@ -1,5 +1,5 @@
 """`ampnb.tf32(True)` / `set_tf32(True)` say once, as a warning, when no device here has TF32 units
-(a CPU, a pre-Ampere GPU), as the README promises; where TF32 is real they say nothing."""
+(a CPU, a pre-Ampere GPU), as docs/devices.md promises; where TF32 is real they say nothing."""
 
 from __future__ import annotations
 

@@ -347,7 +347,7 @@ def watch(model: nn.Module, optimizer: Any, scaler: Any = None, *, every: int = 
           log_dir: Any = None, keep_overflow: Any = None) -> Watch:
     """Record the user's own training loop per optimizer step, through hooks only.
 
-    As a context manager, or until `close()`. See the README's "Watch a real run".
+    As a context manager, or until `close()`. See docs/watch.md.
     """
     w = Watch(model, optimizer, scaler, every=every, log_dir=log_dir,
               keep_overflow=keep_overflow)
