@@ -1,0 +1,91 @@
+"""Running sums per (module, tensor), computed for many tensors at once: the tensors wait in one
+zero-padded buffer (`layout.Pending`) and every format rounds the whole buffer in one go."""
+
+from __future__ import annotations
+
+import torch
+
+from ampnb.whatif.casts import Cast
+from ampnb.whatif.layout import Blocks, Pending
+from ampnb.whatif.result import WhatIfRow, sqnr_db
+
+Key = tuple[str, str]
+
+
+def block_figures(b: Blocks, casts: tuple[Cast, ...], out: torch.Tensor) -> torch.Tensor:
+    """Per tensor (T, 2 + 3 F) in float64: |x|^2, zeros; per format |x - q(x)|^2, zeros, past max.
+
+    Each block's sums are taken in fp32 (32 values), the blocks' sums in float64. `out` is
+    scratch of the blocks' shape; the casts overwrite b.work.
+    """
+    x, w = b.x, b.work
+    sums = torch.zeros(2 + 3 * len(casts), x.shape[0], device=x.device)
+    torch.sum(torch.mul(x, x, out=w), -1, out=sums[0])
+    torch.sum(torch.eq(x, 0, out=w), -1, out=sums[1])
+    for i, c in enumerate(casts):
+        over = c.fn(b, out)
+        for pad in b.padding(out):
+            pad.zero_()
+        # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
+        torch.sum(torch.eq(out, 0, out=w), -1, out=sums[3 + 3 * i])
+        torch.sum(out.sub_(x).square_(), -1, out=sums[2 + 3 * i])
+        if over is not None:
+            sums[4 + 3 * i] = over
+    per_tensor = torch.zeros(sums.shape[0], b.tensor_blocks.numel(), dtype=torch.float64,
+                             device=x.device)
+    return per_tensor.index_add_(1, b.tensor, sums.double()).t()
+
+
+class Tally:
+    """Per (module, tensor): per format |x - q(x)|^2, flushed, past max; |x|^2, count.
+
+    Tensors are copied into a buffer of about `bound` elements as they come and rounded when it
+    is full and at the end (`flush`): the memory added is the buffer and its scratch, whatever
+    the model; no tensor of the caller's is kept.
+    """
+
+    def __init__(self, casts: tuple[Cast, ...], bound: int) -> None:
+        self.casts = casts
+        self.pending = Pending(bound)
+        self.keys: list[tuple[Key, int]] = []
+        self.sums: dict[Key, tuple[torch.Tensor, int] | None] = {}
+        self.out: torch.Tensor | None = None
+
+    def add(self, module: str, tensor: str, x: torch.Tensor) -> None:
+        """Queue x (fp32, rows on its last axis) for rounding into every format."""
+        key = (module, tensor)
+        self.sums.setdefault(key, None)  # rows come in the order the tensors first came
+        if x.numel() == 0:
+            self._add(key, torch.zeros(2 + 3 * len(self.casts), dtype=torch.float64), 0)
+            return
+        if not self.pending.fits(x):
+            self.flush()
+        self.pending.put(x)
+        self.keys.append((key, x.numel()))
+
+    def flush(self) -> None:
+        """Round every queued tensor into every format and add up their statistics."""
+        if not self.keys:
+            return
+        b = self.pending.blocks()
+        if self.out is None or self.out.numel() < b.x.numel() or self.out.device != b.x.device:
+            self.out = torch.empty_like(self.pending.data)
+        figures = block_figures(b, self.casts, self.out[:b.x.numel()].view_as(b.x))
+        for (key, n), row in zip(self.keys, figures.cpu()):
+            self._add(key, row, n)
+        self.pending.clear()
+        self.keys = []
+
+    def _add(self, key: Key, row: torch.Tensor, n: int) -> None:
+        old = self.sums[key]
+        self.sums[key] = (row, n) if old is None else (old[0] + row, old[1] + n)
+
+    def rows(self) -> tuple[WhatIfRow, ...]:
+        out = []
+        for (module, tensor), (row, n) in self.sums.items():  # type: ignore[misc]
+            signal, zeros, *per_format = row.tolist()
+            for k, c in enumerate(self.casts):
+                noise, zeros_q, over = per_format[3 * k:3 * k + 3]
+                out.append(WhatIfRow(module, tensor, c.name, sqnr_db(signal, noise),
+                                     (zeros_q - zeros) / max(n, 1), over / max(n, 1), n))
+        return tuple(out)
