@@ -9,6 +9,7 @@ of two); block-scaled formats are `ampnb.quantize`'s casts (`block_formats.cast_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,7 +57,7 @@ def _plain(f: FloatFormat) -> CastFn:
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
         out.copy_(b.x.to(f.torch_dtype) if f.torch_dtype is not None else formats.quantize(b.x, f))
         # No value of a tensor whose amax is below the threshold can round past f's max.
-        return None if bool((b.tensor_amax < f.overflow_threshold).all()) else _past_max(b, b.x, f)
+        return None if b.top < f.overflow_threshold else _past_max(b, b.x, f)
     return cast
 
 
@@ -65,8 +66,7 @@ def _scaled(f: FloatFormat, scale: torch.Tensor, b: Blocks, out: torch.Tensor
     """x * scale (one per block), saturated into f, divided back. Scaled to amax, a finite
     tensor never overflows (its amax lands on f's max, a rounding below the threshold)."""
     scaled = torch.mul(b.x, scale, out=out)
-    finite = torch.isfinite(b.tensor_amax)
-    over = None if bool(finite.all()) else _past_max(b, scaled, f) * (~finite)[b.tensor]
+    over = None if b.finite else _past_max(b, scaled, f) * (~torch.isfinite(b.tensor_amax))[b.tensor]
     scaled.clamp_(-f.max, f.max)
     return round_elements(scaled, f, b.work.view(torch.int32)).div_(scale), over
 
@@ -87,11 +87,12 @@ def _rowwise(f: FloatFormat) -> CastFn:
 
 
 def _nvfp4_scales(b: Blocks) -> torch.Tensor:
-    """NVFP4's tensor scale of each tensor, per half block: from the amax of its finite values."""
-    amax = b.tensor_amax.clone()
-    for t in (~torch.isfinite(amax)).nonzero().flatten().tolist():  # inf or NaN: rare
-        amax[t] = b.of_tensor(t).abs().nan_to_num(0.0, 0.0, 0.0).amax()
-    return nvfp4_scale_of(amax)[b.tensor].repeat_interleave(2).unsqueeze(1)
+    """NVFP4's tensor scale of each tensor, per block: from the amax of its finite values."""
+    amax = b.tensor_amax
+    if not b.finite:
+        amax = torch.stack([b.finite_amax(t) if not math.isfinite(a) else amax[t]
+                            for t, a in enumerate(amax.tolist())])
+    return nvfp4_scale_of(amax)[b.tensor].view(-1, 1, 1)
 
 
 def _block(name: str) -> CastFn:
@@ -99,11 +100,11 @@ def _block(name: str) -> CastFn:
 
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
         if f.tensor_scale is None:
-            return cast_blocks(b.x, f, b.amax32, None, out, b.scratch(32))[1]
-        half = f.block_size
-        clamped = cast_blocks(b.x.view(-1, half), f, b.amax16, _nvfp4_scales(b),
-                              out.view(-1, half), b.scratch(half))[1]
-        return None if clamped is None else clamped.view(-1, 2).sum(-1)
+            return cast_blocks(b.x, f, b.amax32, None, out, b.scratch(*b.x.shape))[1]
+        shape = (-1, b.x.shape[1] // f.block_size, f.block_size)  # NVFP4: half blocks
+        clamped = cast_blocks(b.x.view(shape), f, b.amax16, _nvfp4_scales(b), out.view(shape),
+                              b.scratch(*shape))[1]
+        return None if clamped is None else clamped.sum(-1)
     return cast
 
 

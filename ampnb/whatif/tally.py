@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ampnb.whatif.casts import Cast
-from ampnb.whatif.layout import Blocks, Pending
+from ampnb.whatif.layout import Blocks, Pending, Whole, whole
 from ampnb.whatif.result import WhatIfRow, sqnr_db
 
 Key = tuple[str, str]
@@ -15,25 +15,26 @@ Key = tuple[str, str]
 def block_figures(b: Blocks, casts: tuple[Cast, ...], out: torch.Tensor) -> torch.Tensor:
     """Per tensor (T, 2 + 3 F) in float64: |x|^2, zeros; per format |x - q(x)|^2, zeros, past max.
 
-    Each block's sums are taken in fp32 (32 values), the blocks' sums in float64. `out` is
-    scratch of the blocks' shape; the casts overwrite b.work.
+    Each block's sums are taken in fp32 (32 values: a matrix-vector product, faster than a
+    reduction along a short axis on a CPU), the blocks' sums in float64. `out` is scratch of the
+    blocks' shape; the casts overwrite b.work.
     """
     x, w = b.x, b.work
+    ones = b.ones
     sums = torch.zeros(2 + 3 * len(casts), x.shape[0], device=x.device)
-    torch.sum(torch.mul(x, x, out=w), -1, out=sums[0])
-    torch.sum(torch.eq(x, 0, out=w), -1, out=sums[1])
+    torch.mv(torch.mul(x, x, out=w), ones, out=sums[0])
+    torch.mv(torch.eq(x, 0, out=w), ones, out=sums[1])
     for i, c in enumerate(casts):
         over = c.fn(b, out)
         for pad in b.padding(out):
             pad.zero_()
         # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
-        torch.sum(torch.eq(out, 0, out=w), -1, out=sums[3 + 3 * i])
-        torch.sum(out.sub_(x).square_(), -1, out=sums[2 + 3 * i])
+        torch.mv(torch.eq(out, 0, out=w), ones, out=sums[3 + 3 * i])
+        torch.mv(out.sub_(x).square_(), ones, out=sums[2 + 3 * i])
         if over is not None:
             sums[4 + 3 * i] = over
-    per_tensor = torch.zeros(sums.shape[0], b.tensor_blocks.numel(), dtype=torch.float64,
-                             device=x.device)
-    return per_tensor.index_add_(1, b.tensor, sums.double()).t()
+    ends = (*b.starts[1:], x.shape[0])
+    return torch.stack([sums[:, s:e].sum(1, dtype=torch.float64) for s, e in zip(b.starts, ends)])
 
 
 class Tally:
@@ -58,10 +59,24 @@ class Tally:
         if x.numel() == 0:
             self._add(key, torch.zeros(2 + 3 * len(self.casts), dtype=torch.float64), 0)
             return
-        if not self.pending.fits(x):
-            self.flush()
-        self.pending.put(x)
-        self.keys.append((key, x.numel()))
+        taken: Whole | None = None
+        rest: torch.Tensor | None = x
+        while rest is not None:
+            x = rest
+            k = self.pending.room(x)
+            if not k and self.pending.shapes:
+                self.flush()
+                continue
+            k = max(k, 1)  # alone in the buffer: one slice at least, the buffer grows for it
+            if x.dim() > 1 and k < x.shape[0]:
+                # Split across flushes (along the first axis: whole rows): the tensor's own amax
+                # scales tensorwise FP8 and NVFP4, taken before its first piece is rounded.
+                taken = taken or whole(x)
+                piece, rest = x[:k], x[k:]
+            else:
+                piece, rest = x, None
+            self.pending.put(piece, taken)
+            self.keys.append((key, piece.numel()))
 
     def flush(self) -> None:
         """Round every queued tensor into every format and add up their statistics."""
