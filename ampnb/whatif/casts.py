@@ -40,10 +40,9 @@ class Cast:
         one = Pending(x.numel())
         one.put(x)
         b = one.blocks()
-        out = torch.empty_like(b.x)
-        over = self.fn(b, out)
+        over = self.fn(b, b.out)
         total = over.sum().long() if over is not None else x.new_zeros((), dtype=torch.int64)
-        return one.unpad(out).reshape(x.shape), total
+        return one.unpad(b.out).reshape(x.shape), total
 
 
 def _past_max(b: Blocks, scaled: torch.Tensor, f: FloatFormat) -> torch.Tensor:
@@ -55,7 +54,10 @@ def _past_max(b: Blocks, scaled: torch.Tensor, f: FloatFormat) -> torch.Tensor:
 
 def _plain(f: FloatFormat) -> CastFn:
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
-        out.copy_(b.x.to(f.torch_dtype) if f.torch_dtype is not None else formats.quantize(b.x, f))
+        if f.torch_dtype is not None and f.torch_dtype.itemsize < 4:  # via the scratch: no copy
+            out.copy_(b.work.view(-1).view(f.torch_dtype)[:b.x.numel()].view_as(b.x).copy_(b.x))
+        else:
+            out.copy_(b.x.to(f.torch_dtype) if f.torch_dtype is not None else formats.quantize(b.x, f))
         # No value of a tensor whose amax is below the threshold can round past f's max.
         return None if b.top < f.overflow_threshold else _past_max(b, b.x, f)
     return cast

@@ -38,6 +38,7 @@ class Blocks:
     top: float  # the largest of them (NaN if any is): one sync, shared by the casts
     starts: tuple[int, ...]  # each tensor's first block
     work: torch.Tensor  # (nb, 32) fp32 scratch (also read as int32)
+    out: torch.Tensor  # (nb, 32) fp32: where the casts write
     shapes: tuple[tuple[torch.Size, int], ...]  # each tensor's shape and padded row length
     whole: tuple[Whole | None, ...]
     ones: torch.Tensor  # (32,)
@@ -75,13 +76,15 @@ class Blocks:
         return self.x[self.starts[t]:end]
 
 
-def _block_amax(a: torch.Tensor) -> torch.Tensor:
+def _block_amax(a: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """(n, 16) magnitudes -> (n, 1) maxima, as a tree of elementwise maxima: a reduction along
-    a short last axis costs several times more on a CPU. torch.maximum keeps NaN, as amax does."""
+    a short last axis costs several times more on a CPU. torch.maximum keeps NaN, as amax does.
+    The first level goes into `scratch` (n * 8 elements at least)."""
     width = a.shape[-1] // 2
-    while width:
-        a = torch.maximum(a[:, :width], a[:, width:2 * width])
+    a = torch.maximum(a[:, :width], a[:, width:], out=scratch[:a.shape[0] * width].view(-1, width))
+    while width > 1:
         width //= 2
+        a = torch.maximum(a[:, :width], a[:, width:2 * width])
     return a
 
 
@@ -97,7 +100,7 @@ class Pending:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(-(-capacity // BLOCK) * BLOCK, BLOCK)
-        self.data = self.work = self.ones = None
+        self.data = self.work = self.out = self.ones = None
         self.used = 0
         self.shapes: list[tuple[torch.Size, int]] = []  # each tensor's shape, padded row length
         self.whole: list[Whole | None] = []
@@ -132,6 +135,7 @@ class Pending:
         size = max(min(self.capacity, 2 * self.used + n), self.used + n)
         self.data = torch.empty(size, device=device)
         self.work = torch.empty(size, device=device)
+        self.out = torch.empty(size, device=device)
         self.ones = torch.ones(BLOCK, device=device)
         if old is not None:
             self.data[:self.used].copy_(old[:self.used])
@@ -141,7 +145,8 @@ class Pending:
         nb, dev = self.used // BLOCK, self.data.device
         x = self.data[:self.used].view(nb, BLOCK)
         work = self.work[:self.used].view(nb, BLOCK)
-        amax16 = _block_amax(torch.abs(x, out=work).view(2 * nb, BLOCK // 2)).view(nb, 2, 1)
+        a = torch.abs(x, out=work).view(2 * nb, BLOCK // 2)
+        amax16 = _block_amax(a, self.out).view(nb, 2, 1)
         amax32 = torch.maximum(amax16[:, 0], amax16[:, 1])
         per_row = [p // BLOCK for _, p in self.shapes]
         rows = [s.numel() // s[-1] for s, _ in self.shapes]
@@ -158,7 +163,8 @@ class Pending:
             x, amax16, amax32,
             torch.repeat_interleave(torch.arange(len(counts), device=dev), tensor_blocks),
             torch.repeat_interleave(torch.tensor(per_row, device=dev), torch.tensor(rows, device=dev)),
-            tensor_amax, float(tensor_amax.max()), tuple(starts), work, tuple(self.shapes),
+            tensor_amax, float(tensor_amax.max()), tuple(starts), work,
+            self.out[:self.used].view(nb, BLOCK), tuple(self.shapes),
             tuple(self.whole), self.ones)
 
     def unpad(self, flat: torch.Tensor) -> torch.Tensor:

@@ -12,14 +12,14 @@ from ampnb.whatif.result import WhatIfRow, sqnr_db
 Key = tuple[str, str]
 
 
-def block_figures(b: Blocks, casts: tuple[Cast, ...], out: torch.Tensor) -> torch.Tensor:
+def block_figures(b: Blocks, casts: tuple[Cast, ...]) -> torch.Tensor:
     """Per tensor (T, 2 + 3 F) in float64: |x|^2, zeros; per format |x - q(x)|^2, zeros, past max.
 
     Each block's sums are taken in fp32 (32 values: a matrix-vector product, faster than a
     reduction along a short axis on a CPU), the blocks' sums in float64. `out` is scratch of the
     blocks' shape; the casts overwrite b.work.
     """
-    x, w = b.x, b.work
+    x, w, out = b.x, b.work, b.out
     ones = b.ones
     sums = torch.zeros(2 + 3 * len(casts), x.shape[0], device=x.device)
     torch.mv(torch.mul(x, x, out=w), ones, out=sums[0])
@@ -34,7 +34,9 @@ def block_figures(b: Blocks, casts: tuple[Cast, ...], out: torch.Tensor) -> torc
         if over is not None:
             sums[4 + 3 * i] = over
     ends = (*b.starts[1:], x.shape[0])
-    return torch.stack([sums[:, s:e].sum(1, dtype=torch.float64) for s, e in zip(b.starts, ends)])
+    # fp32 sums over a piece of at most the buffer's size (counts exact below 2**24), as
+    # accurate as the one-tensor fp32 norms they replace; added up across pieces in float64.
+    return torch.stack([sums[:, s:e].sum(1) for s, e in zip(b.starts, ends)]).double()
 
 
 class Tally:
@@ -50,7 +52,6 @@ class Tally:
         self.pending = Pending(bound)
         self.keys: list[tuple[Key, int]] = []
         self.sums: dict[Key, tuple[torch.Tensor, int] | None] = {}
-        self.out: torch.Tensor | None = None
 
     def add(self, module: str, tensor: str, x: torch.Tensor) -> None:
         """Queue x (fp32, rows on its last axis) for rounding into every format."""
@@ -82,10 +83,7 @@ class Tally:
         """Round every queued tensor into every format and add up their statistics."""
         if not self.keys:
             return
-        b = self.pending.blocks()
-        if self.out is None or self.out.numel() < b.x.numel() or self.out.device != b.x.device:
-            self.out = torch.empty_like(self.pending.data)
-        figures = block_figures(b, self.casts, self.out[:b.x.numel()].view_as(b.x))
+        figures = block_figures(self.pending.blocks(), self.casts)
         for (key, n), row in zip(self.keys, figures.cpu()):
             self._add(key, row, n)
         self.pending.clear()
