@@ -11,6 +11,7 @@ The casts are pure torch and bit-identical to torchao's reference casts (torchao
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,7 +151,7 @@ def quantize_blocks(x: torch.Tensor, f: BlockFormat, tensor_scale: float | torch
     amax = blocks.abs().amax(-1, keepdim=True)
     scale = None if f.tensor_scale is None else _tensor_scale(x, f, tensor_scale)
     out, clamped = cast_blocks(blocks, f, amax, scale)
-    total = clamped.sum() if clamped is not None else torch.zeros((), dtype=torch.int64, device=x.device)
+    total = clamped if clamped is not None else torch.zeros((), dtype=torch.int64, device=x.device)
     return out.flatten(-2)[..., :length].reshape(x.shape), total
 
 
@@ -181,12 +182,13 @@ def round_elements(v: torch.Tensor, element: FloatFormat, work: torch.Tensor | N
 
 def cast_blocks(blocks: torch.Tensor, f: BlockFormat, amax: torch.Tensor,
                 tensor_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                work: tuple[torch.Tensor, torch.Tensor] | None = None
+                work: tuple[torch.Tensor, torch.Tensor] | None = None,
+                count: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Blocks (..., size) of fp32, each block's amax (..., 1) and NVFP4's tensor scale (one, or
-    one per block) -> (the blocks rounded into f, written into `out`; per block, how many values
-    were clamped past the element's max, None when none was). `work` (float32, int32 scratch of
-    the blocks' shape) saves allocations."""
+    one per block) -> (the blocks rounded into f, written into `out`; `count` of the float mask
+    of the values clamped past the element's max (their number by default), None when none
+    was). `work` (float32, int32 scratch of the blocks' shape) saves allocations."""
     m = f.element.max
     if f.tensor_scale is None:
         down, up = _mx_scales(amax, f)
@@ -200,7 +202,8 @@ def cast_blocks(blocks: torch.Tensor, f: BlockFormat, amax: torch.Tensor,
     # Rounding is monotonic: a block's largest scaled magnitude is its amax scaled (one sync).
     if bool((peak > m).any()):
         w = torch.abs(scaled, out=None if work is None else work[0])
-        clamped = torch.gt(w, m, out=None if work is None else w).sum(-1)
+        mask = torch.gt(w, m, out=w)
+        clamped = mask.sum(dtype=torch.int64) if count is None else count(mask)
     scaled.clamp_(-m, m)  # in place: casts stream over big tensors
     return round_elements(scaled, f.element, None if work is None else work[1]).mul_(up), clamped
 

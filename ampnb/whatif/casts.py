@@ -101,12 +101,13 @@ def _block(name: str) -> CastFn:
     f = BLOCK_FORMATS[name]
 
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
+        def per_block(mask: torch.Tensor) -> torch.Tensor:
+            return torch.mv(mask.view(b.x.shape), b.ones)
         if f.tensor_scale is None:
-            return cast_blocks(b.x, f, b.amax32, None, out, b.scratch(*b.x.shape))[1]
+            return cast_blocks(b.x, f, b.amax32, None, out, b.scratch(*b.x.shape), per_block)[1]
         shape = (-1, b.x.shape[1] // f.block_size, f.block_size)  # NVFP4: half blocks
-        clamped = cast_blocks(b.x.view(shape), f, b.amax16, _nvfp4_scales(b), out.view(shape),
-                              b.scratch(*shape))[1]
-        return None if clamped is None else clamped.sum(-1)
+        return cast_blocks(b.x.view(shape), f, b.amax16, _nvfp4_scales(b), out.view(shape),
+                           b.scratch(*shape), per_block)[1]
     return cast
 
 

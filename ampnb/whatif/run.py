@@ -22,8 +22,9 @@ from ampnb.whatif.tally import Tally
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Elements (zero-padded rows) rounded together: the buffer and its two scratch copies are the
-# memory what_if adds (3 x 4 bytes each); fewer, larger batches cost fewer torch calls.
-FLUSH_ELEMENTS = 2**17
+# memory what_if adds (3 x 4 bytes each, 1.9 MiB); fewer, larger batches cost fewer torch calls
+# (benchmarks/bench_what_if.py: time and memory against a plain step).
+FLUSH_ELEMENTS = 5 * 2**15
 
 
 def is_layer(m: nn.Module) -> bool:
