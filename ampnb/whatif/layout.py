@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ampnb.fp8.scaling import tensor_to_amax
+
 BLOCK = 32
 
 
@@ -90,7 +92,7 @@ def _block_amax(a: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 def whole(x: torch.Tensor) -> Whole:
     """x's amax and its finite values' amax (NaN-propagating, as a block amax is)."""
-    amax = x.abs().amax()
+    amax = tensor_to_amax(x)  # no |x| temporary; NaN if x holds one
     finite = amax if bool(torch.isfinite(amax)) else x.abs().nan_to_num(0.0, 0.0, 0.0).amax()
     return Whole(amax, finite)
 
