@@ -1,5 +1,5 @@
 """`what_if`: one fp32 training step of the user's model, every Linear/Conv layer's weight,
-input and output gradient rounded into each format as it passes, statistics streamed."""
+input and output gradient copied as it passes into a bounded buffer that each format rounds at once."""
 
 from __future__ import annotations
 
@@ -79,8 +79,9 @@ def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = N
     output gradient, what each format would lose (the reference is the tensor as it ran).
 
     Without a loss_fn the model's own loss is used; a model without one gives weights and
-    inputs only. The model, its gradients, buffers and every RNG are put back; statistics are
-    streamed layer by layer, so no tensor is kept beyond the step's own.
+    inputs only. The model, its gradients, buffers and every RNG are put back. Tensors are
+    copied into a buffer of `FLUSH_ELEMENTS` values rounded when full, so no tensor is kept
+    beyond the step's own and the memory added is that buffer and its two scratch copies.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"what_if needs an nn.Module, got {type(model).__name__}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ampnb.whatif.casts import Cast
-from ampnb.whatif.layout import Blocks, Pending, Whole, whole
+from ampnb.whatif.layout import BLOCK, Blocks, Pending, Whole, whole
 from ampnb.whatif.result import WhatIfRow, sqnr_db
 
 Key = tuple[str, str]
@@ -16,8 +16,8 @@ def block_figures(b: Blocks, casts: tuple[Cast, ...]) -> torch.Tensor:
     """Per tensor (T, 2 + 3 F) in float64: |x|^2, zeros; per format |x - q(x)|^2, zeros, past max.
 
     Each block's sums are taken in fp32 (32 values: a matrix-vector product, faster than a
-    reduction along a short axis on a CPU), the blocks' sums in float64. `out` is scratch of the
-    blocks' shape; the casts overwrite b.work.
+    reduction along a short axis on a CPU), then each tensor's. The casts write into b.out and
+    use b.work as scratch.
     """
     x, w, out = b.x, b.work, b.out
     ones = b.ones
@@ -34,9 +34,10 @@ def block_figures(b: Blocks, casts: tuple[Cast, ...]) -> torch.Tensor:
         if over is not None:
             sums[4 + 3 * i] = over
     ends = (*b.starts[1:], x.shape[0])
-    # fp32 sums over a piece of at most the buffer's size (counts exact below 2**24), as
-    # accurate as the one-tensor fp32 norms they replace; added up across pieces in float64.
-    return torch.stack([sums[:, s:e].sum(1) for s, e in zip(b.starts, ends)]).double()
+    # fp32 sums over a piece (as accurate as the one-tensor fp32 norms they replace; counts
+    # exact below 2**24 values, float64 past that), added up across pieces in float64.
+    return torch.stack([sums[:, s:e].sum(1, dtype=torch.float64 if (e - s) * BLOCK >= 2**24 else None)
+                        for s, e in zip(b.starts, ends)]).double()
 
 
 class Tally:
