@@ -219,8 +219,9 @@ def _mx_scales(amax: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torch.
     the scale NaN (the whole block is NaN); an inf saturates to +-max*scale (inf in fp32) and
     flushes the rest of its block.
     """
-    pow2 = (amax.view(torch.int32).bitwise_right_shift(23).bitwise_and(0xFF)) - 127
-    biased = (pow2 - f.element.max_exponent).clamp(-127, 128) + 127
+    # The biased exponent of 2**(floor(log2 amax) - emax_elem), clamped to e8m0's 0..255.
+    biased = (amax.view(torch.int32).bitwise_right_shift(23).bitwise_and_(0xFF)
+              .sub_(f.element.max_exponent).clamp_(0, 255))
     divide_by = biased.bitwise_left_shift(23).view(torch.float32).clamp(min=2.0**-126)
     scale = biased.bitwise_left_shift(23).view(torch.float32)  # the e8m0 value, exactly
     scale = torch.where(biased == 0, 2.0**-127, scale)  # e8m0's lowest is an fp32 subnormal
