@@ -11,6 +11,7 @@ The casts are pure torch and bit-identical to torchao's reference casts (torchao
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +88,6 @@ BLOCK_FORMATS: dict[str, BlockFormat] = {
     )
 }
 _BLOCK_ALIASES = {"mxfp8": "mxfp8_e4m3", "mxfp4_e2m1": "mxfp4", "nvfp4_e2m1": "nvfp4"}
-_ELEMENT_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def block_format(name: object) -> BlockFormat | None:
@@ -146,17 +146,13 @@ def quantize(x: torch.Tensor, fmt: str | torch.dtype | FloatFormat | BlockFormat
 
 def quantize_blocks(x: torch.Tensor, f: BlockFormat, tensor_scale: float | torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x quantized into f in fp32, where its scaled value was clamped past the element's max)."""
+    """(x quantized into f in fp32; how many values were clamped past the element's max)."""
     blocks, length = _blocks(x, f.block_size)
-    if f.tensor_scale is None:
-        out, clamped = _mx_blocks(blocks, f)
-    else:
-        out, clamped = _nvfp4_blocks(blocks, f, _tensor_scale(x, f, tensor_scale))
-
-    def unblock(t: torch.Tensor) -> torch.Tensor:
-        return t.flatten(-2)[..., :length].reshape(x.shape)
-
-    return unblock(out), unblock(clamped)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = None if f.tensor_scale is None else _tensor_scale(x, f, tensor_scale)
+    out, clamped = cast_blocks(blocks, f, amax, scale)
+    total = clamped if clamped is not None else torch.zeros((), dtype=torch.int64, device=x.device)
+    return out.flatten(-2)[..., :length].reshape(x.shape), total
 
 
 def _blocks(x: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
@@ -169,23 +165,52 @@ def _blocks(x: torch.Tensor, size: int) -> tuple[torch.Tensor, int]:
     return work.reshape(*work.shape[:-1], -1, size), length
 
 
-def _elements(scaled: torch.Tensor, element: FloatFormat) -> torch.Tensor:
-    """Round already-clamped scaled values into the element format (torch's cast where it has one)."""
-    dtype = _ELEMENT_DTYPES.get(element.name)
-    if dtype is not None:
-        return scaled.to(getattr(torch, dtype)).float()
-    # No torch dtype (e2m1): the values are clamped to max already, so RNE is torch.round (half
-    # to even) on the step of each value's binade, a power of two: exact, one pass per binade.
-    a = scaled.abs()
-    m = element.mantissa_bits
-    step = torch.full_like(a, math.ldexp(1.0, element.min_exponent - m))
-    for k in range(element.min_exponent + 1, element.max_exponent + 1):
-        step = torch.where(a >= math.ldexp(1.0, k), math.ldexp(1.0, k - m), step)
-    return torch.copysign(torch.round(a / step) * step, scaled)
+def round_elements(v: torch.Tensor, element: FloatFormat, work: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Round fp32 values already clamped to the element's max onto its grid, in place: RNE.
+
+    The step of a value's binade is a power of two read off its fp32 exponent bits (the
+    subnormal step below the smallest normal), so round(v / step) * step is exact and is what
+    torch's FP8 casts give (tests/test_block_formats), e2m1 included, in six passes and no mask.
+    `work` (int32, v's shape) takes the steps; NaN stays NaN.
+    """
+    bits = torch.bitwise_and(v.view(torch.int32), 0x7F800000, out=work)
+    floor = (element.min_exponent + 127) << 23  # the subnormal binade's step, as an exponent
+    step = bits.clamp_min_(floor).sub_(element.mantissa_bits << 23).view(torch.float32)
+    return v.div_(step).round_().mul_(step)
 
 
-def _mx_blocks(blocks: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """OCP MX scale X = 2**(floor(log2(amax)) - emax_elem) (torchao's FLOOR mode), then RNE.
+def cast_blocks(blocks: torch.Tensor, f: BlockFormat, amax: torch.Tensor,
+                tensor_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                work: tuple[torch.Tensor, torch.Tensor] | None = None,
+                count: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Blocks (..., size) of fp32, each block's amax (..., 1) and NVFP4's tensor scale (one, or
+    one per block) -> (the blocks rounded into f, written into `out`; `count` of the float mask
+    of the values clamped past the element's max (their number by default), None when none
+    was). `work` (float32, int32 scratch of the blocks' shape) saves allocations."""
+    m = f.element.max
+    if f.tensor_scale is None:
+        down, up = _mx_scales(amax, f)
+        scaled = torch.div(blocks, down, out=out)
+        peak = amax / down
+    else:
+        down, up = _nvfp4_scales(amax, f, tensor_scale)
+        scaled = torch.mul(blocks, down, out=out)
+        peak = amax * down
+    clamped = None
+    # Rounding is monotonic: a block's largest scaled magnitude is its amax scaled (one sync).
+    if bool((peak > m).any()):
+        w = torch.abs(scaled, out=None if work is None else work[0])
+        mask = torch.gt(w, m, out=w)
+        clamped = mask.sum(dtype=torch.int64) if count is None else count(mask)
+    scaled.clamp_(-m, m)  # in place: casts stream over big tensors
+    return round_elements(scaled, f.element, None if work is None else work[1]).mul_(up), clamped
+
+
+def _mx_scales(amax: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP MX scale X = 2**(floor(log2(amax)) - emax_elem) (torchao's FLOOR mode): (what the
+    blocks are divided by, what the rounded elements are multiplied by).
 
     As torchao's reference does: the exponent is read off amax's fp32 bits (so an fp32
     subnormal amax reads as 2**-127), clamped to e8m0's range; the division uses that scale
@@ -194,31 +219,24 @@ def _mx_blocks(blocks: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torc
     the scale NaN (the whole block is NaN); an inf saturates to +-max*scale (inf in fp32) and
     flushes the rest of its block.
     """
-    amax = blocks.abs().amax(-1, keepdim=True)
-    pow2 = (amax.view(torch.int32).bitwise_right_shift(23).bitwise_and(0xFF)) - 127
-    biased = (pow2 - f.element.max_exponent).clamp(-127, 128) + 127
+    # The biased exponent of 2**(floor(log2 amax) - emax_elem), clamped to e8m0's 0..255.
+    biased = (amax.view(torch.int32).bitwise_right_shift(23).bitwise_and_(0xFF)
+              .sub_(f.element.max_exponent).clamp_(0, 255))
     divide_by = biased.bitwise_left_shift(23).view(torch.float32).clamp(min=2.0**-126)
-    scaled = blocks / divide_by
-    clamped = scaled.abs() > f.element.max
-    scaled.clamp_(-f.element.max, f.element.max)  # in place: casts stream over big tensors
     scale = biased.bitwise_left_shift(23).view(torch.float32)  # the e8m0 value, exactly
     scale = torch.where(biased == 0, 2.0**-127, scale)  # e8m0's lowest is an fp32 subnormal
-    scale = torch.where(torch.isnan(amax), math.nan, scale)
-    return _elements(scaled, f.element).mul_(scale), clamped
+    return divide_by, torch.where(torch.isnan(amax), math.nan, scale)
 
 
-def _nvfp4_blocks(blocks: torch.Tensor, f: BlockFormat, tensor_scale: torch.Tensor
+def _nvfp4_scales(amax: torch.Tensor, f: BlockFormat, tensor_scale: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4: block scale amax/6 divided by the tensor scale, rounded to e4m3 (clamped to
-    [smallest normal, 448], as torchao's reference does); elements RNE to e2m1, saturating."""
-    amax = blocks.abs().amax(-1, keepdim=True)
+    [smallest normal, 448], as torchao's reference does): (what the blocks are multiplied by,
+    what the rounded elements are multiplied by)."""
     e4m3 = f.scale
     block_scale = (amax / f.element.max / tensor_scale).clamp(e4m3.smallest_normal, e4m3.max)
     block_scale = block_scale.to(e4m3.torch_dtype).float()
-    scaled = blocks * ((1.0 / tensor_scale) / block_scale)
-    clamped = scaled.abs() > f.element.max
-    scaled.clamp_(-f.element.max, f.element.max)
-    return _elements(scaled, f.element).mul_(tensor_scale * block_scale), clamped
+    return (1.0 / tensor_scale) / block_scale, tensor_scale * block_scale
 
 
 def _tensor_scale(x: torch.Tensor, f: BlockFormat, given: float | torch.Tensor | None) -> torch.Tensor:
@@ -238,7 +256,14 @@ def nvfp4_tensor_scale(x: torch.Tensor, f: BlockFormat | None = None) -> torch.T
     amax = a.amax().float() if a.numel() else a.new_zeros((), dtype=torch.float32)
     if not torch.isfinite(amax):  # inf or NaN somewhere: the amax of the finite values
         amax = a.float().nan_to_num(0.0, 0.0, 0.0).amax()
-    scale = amax / (f.scale.max * f.element.max)
+    return nvfp4_scale_of(amax, f)
+
+
+def nvfp4_scale_of(finite_amax: torch.Tensor, f: BlockFormat | None = None) -> torch.Tensor:
+    """NVFP4's per-tensor scale from the amax of a tensor's finite values (one or many):
+    amax / (448 * 6), 1.0 where the amax is 0."""
+    f = f or BLOCK_FORMATS["nvfp4"]
+    scale = finite_amax / (f.scale.max * f.element.max)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 

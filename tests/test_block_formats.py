@@ -219,11 +219,29 @@ def test_float_formats_unchanged():
 
 def test_e2m1_rounding_is_quantize():
     """The fast e2m1 path inside the block casts rounds as `formats.quantize` does."""
-    from ampnb.block_formats import _elements
+    from ampnb.block_formats import round_elements
 
     v = torch.linspace(-6, 6, 200001)
     v = torch.cat([v, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -5.0, 0.0, -0.0])])
-    assert same(_elements(v, FORMATS["fp4_e2m1"]), ampnb.quantize(v, "fp4_e2m1"))
+    assert same(round_elements(v.clone(), FORMATS["fp4_e2m1"]), ampnb.quantize(v, "fp4_e2m1"))
+
+
+@pytest.mark.parametrize("name, dtype", [("fp8_e4m3", torch.float8_e4m3fn),
+                                         ("fp8_e5m2", torch.float8_e5m2)])
+def test_element_rounding_is_torchs_fp8_cast(name, dtype):
+    """round_elements on random fp32 bit patterns (every binade, subnormals, NaN) within the
+    format's max, and on the ties of its smallest steps, is torch's own FP8 cast."""
+    from ampnb.block_formats import round_elements
+
+    f = FORMATS[name]
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (2_000_000,), generator=g, dtype=torch.int64)
+    v = bits.to(torch.int32).view(torch.float32)
+    v = v[~(v.abs() > f.max)]  # the casts clamp first; NaN kept
+    k = torch.arange(-40, 40, dtype=torch.float32)
+    ties = (k + 0.5) * f.smallest_subnormal
+    v = torch.cat([v, ties, -ties, (k.abs() + 0.5) * 2.0**-3, torch.tensor([f.max, -f.max, 0.0, -0.0])])
+    assert same(round_elements(v.clone(), f), v.to(dtype).float())
 
 
 def test_nvfp4_smallest_nonzero_is_what_the_cast_reaches():

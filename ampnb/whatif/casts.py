@@ -1,24 +1,27 @@
 """The casts a what-if compares: plain float casts, FP8 scaled per tensor or per row, block-scaled.
 
-Each cast takes an fp32 tensor and its amax (`fp8.scaling.tensor_to_amax`, computed once per
-tensor) and returns (its quantized values in fp32, how many values overflowed or saturated). FP8 tensorwise and rowwise scale to amax as torchao's float8 does
-(`amax_to_scale`: max / amax, amax clamped at 1e-12; its rowwise recipe rounds each row's scale
-down to a power of two); block-scaled formats are `ampnb.quantize`'s casts.
+Each cast rounds every tensor of a `layout.Blocks` at once: it writes the values quantized (in
+fp32) into `out` and returns, per block, how many values overflowed or saturated (None: none
+did). FP8 tensorwise and rowwise scale to amax as torchao's float8 does (`amax_to_scale`:
+max / amax, amax clamped at 1e-12; its rowwise recipe rounds each row's scale down to a power
+of two); block-scaled formats are `ampnb.quantize`'s casts (`block_formats.cast_blocks`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ampnb import formats
-from ampnb.block_formats import BLOCK_FORMATS, quantize_blocks
+from ampnb.block_formats import BLOCK_FORMATS, cast_blocks, nvfp4_scale_of, round_elements
 from ampnb.formats import FloatFormat
-from ampnb.fp8.scaling import EPS, amax_to_scale, tensor_to_amax, widen
+from ampnb.fp8.scaling import EPS, amax_to_scale
+from ampnb.whatif.layout import Blocks, Pending
 
-CastFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+CastFn = Callable[[Blocks, torch.Tensor], "torch.Tensor | None"]
 DEFAULT_FORMATS = ("fp16", "bf16", "fp8_e4m3_tensorwise", "fp8_e4m3_rowwise", "mxfp8_e4m3",
                    "mxfp4", "nvfp4")
 _SCALED = ("fp8_e4m3", "fp8_e5m2")
@@ -34,62 +37,77 @@ class Cast:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x quantized, in fp32; how many values overflowed or saturated)."""
         x = x.detach().float()
-        return self.fn(x, tensor_to_amax(x))
+        one = Pending(x.numel())
+        one.put(x)
+        b = one.blocks()
+        over = self.fn(b, b.out)
+        total = over.sum().long() if over is not None else x.new_zeros((), dtype=torch.int64)
+        return one.unpad(b.out).reshape(x.shape), total
 
 
-def _past_max(scaled: torch.Tensor, f: FloatFormat) -> torch.Tensor:
-    """How many finite values round past f's max (to inf, or clamped to max)."""
-    a = scaled.abs()
+def _past_max(b: Blocks, scaled: torch.Tensor, f: FloatFormat) -> torch.Tensor:
+    """Per block, how many finite values round past f's max (to inf, or clamped)."""
+    a = torch.abs(scaled, out=b.work)
     over = a >= f.overflow_threshold if f.overflow_inclusive else a > f.overflow_threshold
-    return over.logical_and_(a != torch.inf).sum()
-
-
-def _none(x: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.int64, device=x.device)
-
-
-def _below(amax: torch.Tensor, f: FloatFormat) -> bool:
-    """Whether no value of a tensor with this amax can round past f's max (one sync, no pass)."""
-    return bool(amax < f.overflow_threshold)
+    return over.logical_and_(a != torch.inf).sum(-1)
 
 
 def _plain(f: FloatFormat) -> CastFn:
-    def cast(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = x.to(f.torch_dtype).float() if f.torch_dtype is not None else formats.quantize(x, f)
-        return y, _none(x) if _below(amax, f) else _past_max(x, f)
+    def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
+        if f.torch_dtype is not None and f.torch_dtype.itemsize < 4:  # via the scratch: no copy
+            out.copy_(b.work.view(-1).view(f.torch_dtype)[:b.x.numel()].view_as(b.x).copy_(b.x))
+        else:
+            out.copy_(b.x.to(f.torch_dtype) if f.torch_dtype is not None else formats.quantize(b.x, f))
+        # No value of a tensor whose amax is below the threshold can round past f's max.
+        return None if b.top < f.overflow_threshold else _past_max(b, b.x, f)
     return cast
 
 
-def _scaled(f: FloatFormat, scale: torch.Tensor, x: torch.Tensor, finite: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x * scale, saturated into f, divided back. Scaled to amax, a finite tensor never
-    overflows (its amax lands on f's max, a rounding below the threshold)."""
-    scaled = x * scale
-    q = widen(scaled.clamp(-f.max, f.max).to(f.torch_dtype))
-    return q.div_(scale), _none(x) if finite else _past_max(scaled, f)
+def _scaled(f: FloatFormat, scale: torch.Tensor, b: Blocks, out: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x * scale (one per block), saturated into f, divided back. Scaled to amax, a finite
+    tensor never overflows (its amax lands on f's max, a rounding below the threshold)."""
+    scaled = torch.mul(b.x, scale, out=out)
+    over = None if b.finite else _past_max(b, scaled, f) * (~torch.isfinite(b.tensor_amax))[b.tensor]
+    scaled.clamp_(-f.max, f.max)
+    return round_elements(scaled, f, b.work.view(torch.int32)).div_(scale), over
 
 
 def _tensorwise(f: FloatFormat) -> CastFn:
-    def cast(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _scaled(f, amax_to_scale(amax, f), x, bool(torch.isfinite(amax)))
+    def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
+        return _scaled(f, amax_to_scale(b.tensor_amax, f)[b.tensor].unsqueeze(1), b, out)[1]
     return cast
 
 
 def _rowwise(f: FloatFormat) -> CastFn:
-    def cast(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = x if x.dim() else x.reshape(1)
-        row_amax = rows.abs().amax(-1, keepdim=True).double()
-        scale = (f.max / row_amax.clamp(min=EPS)).float()
+    def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
+        row_amax = torch.segment_reduce(b.amax32.view(-1), "max", lengths=b.row_blocks)
+        scale = (f.max / row_amax.double().clamp(min=EPS)).float()
         scale = torch.exp2(torch.floor(torch.log2(scale)))  # torchao's rowwise recipe
-        y, over = _scaled(f, scale, rows, bool(torch.isfinite(amax)))
-        return y.reshape(x.shape), over
+        return _scaled(f, scale.repeat_interleave(b.row_blocks).unsqueeze(1), b, out)[1]
     return cast
 
 
+def _nvfp4_scales(b: Blocks) -> torch.Tensor:
+    """NVFP4's tensor scale of each tensor, per block: from the amax of its finite values."""
+    amax = b.tensor_amax
+    if not b.finite:
+        amax = torch.stack([b.finite_amax(t) if not math.isfinite(a) else amax[t]
+                            for t, a in enumerate(amax.tolist())])
+    return nvfp4_scale_of(amax)[b.tensor].view(-1, 1, 1)
+
+
 def _block(name: str) -> CastFn:
-    def cast(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, clamped = quantize_blocks(x, BLOCK_FORMATS[name])
-        return y, clamped.sum()
+    f = BLOCK_FORMATS[name]
+
+    def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
+        def per_block(mask: torch.Tensor) -> torch.Tensor:
+            return torch.mv(mask.view(b.x.shape), b.ones)
+        if f.tensor_scale is None:
+            return cast_blocks(b.x, f, b.amax32, None, out, b.scratch(*b.x.shape), per_block)[1]
+        shape = (-1, b.x.shape[1] // f.block_size, f.block_size)  # NVFP4: half blocks
+        return cast_blocks(b.x.view(shape), f, b.amax16, _nvfp4_scales(b), out.view(shape),
+                           b.scratch(*shape), per_block)[1]
     return cast
 
 

@@ -1,5 +1,5 @@
 """`what_if`: one fp32 training step of the user's model, every Linear/Conv layer's weight,
-input and output gradient rounded into each format as it passes, statistics streamed."""
+input and output gradient copied as it passes into a bounded buffer that each format rounds at once."""
 
 from __future__ import annotations
 
@@ -13,14 +13,18 @@ from ampnb._interrupt import Guard
 from ampnb._tree import tensors
 from ampnb.batch import as_batch, model_loss
 from ampnb.fp8.layers import CONVERTIBLE
-from ampnb.fp8.scaling import tensor_to_amax
 from ampnb.modes import get_mode
 from ampnb.putback import untouched
 from ampnb.step import StepSettings, forward_loss, step_context
-from ampnb.whatif.casts import DEFAULT_FORMATS, Cast, get_cast
-from ampnb.whatif.result import WhatIf, WhatIfRow, sqnr_db
+from ampnb.whatif.casts import DEFAULT_FORMATS, get_cast
+from ampnb.whatif.result import WhatIf
+from ampnb.whatif.tally import Tally
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# Elements (zero-padded rows) rounded together: the buffer and its two scratch copies are the
+# memory what_if adds (3 x 4 bytes each, 1.9 MiB); fewer, larger batches cost fewer torch calls
+# (benchmarks/bench_what_if.py: time and memory against a plain step).
+FLUSH_ELEMENTS = 5 * 2**15
 
 
 def is_layer(m: nn.Module) -> bool:
@@ -36,41 +40,6 @@ def as_rows(m: nn.Module, x: torch.Tensor, tensor: str) -> torch.Tensor:
     if tensor == "weight" and not isinstance(m, nn.Linear):
         return x.t()  # Conv1D stores (in, out)
     return x
-
-
-class Tally:
-    """Running sums per (module, tensor): per format |x - q(x)|^2, flushed, past max; |x|^2, count."""
-
-    def __init__(self, casts: tuple[Cast, ...]) -> None:
-        self.casts = casts
-        self.sums: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor, int]] = {}
-
-    def add(self, module: str, tensor: str, x: torch.Tensor) -> None:
-        """Round x into every format and add its statistics; nothing of x is kept."""
-        amax = tensor_to_amax(x)
-        nonzero = torch.count_nonzero(x)
-        figures = []
-        for c in self.casts:
-            y, over = c.fn(x, amax)
-            # Every cast keeps a zero a zero (a NaN block aside): flushed = nonzeros lost.
-            flushed = nonzero - torch.count_nonzero(y)
-            figures += [torch.linalg.vector_norm(y.sub_(x)), flushed, over]
-        table = torch.stack([f.double() for f in figures]).reshape(len(self.casts), 3)
-        table[:, 0].square_()
-        signal = torch.linalg.vector_norm(x).double().square()
-        old = self.sums.get((module, tensor))
-        if old is not None:
-            table, signal = table + old[0], signal + old[1]
-        self.sums[(module, tensor)] = (table, signal, x.numel() + (old[2] if old else 0))
-
-    def rows(self) -> tuple[WhatIfRow, ...]:
-        out = []
-        for (module, tensor), (figures, signal, n) in self.sums.items():
-            total = signal.item()
-            for c, (noise, under, over) in zip(self.casts, figures.tolist()):
-                out.append(WhatIfRow(module, tensor, c.name, sqnr_db(total, noise),
-                                     under / max(n, 1), over / max(n, 1), n))
-        return tuple(out)
 
 
 def _hooks(model: nn.Module, tally: Tally) -> Guard:
@@ -110,15 +79,16 @@ def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = N
     output gradient, what each format would lose (the reference is the tensor as it ran).
 
     Without a loss_fn the model's own loss is used; a model without one gives weights and
-    inputs only. The model, its gradients, buffers and every RNG are put back; statistics are
-    streamed layer by layer, so no tensor is kept beyond the step's own.
+    inputs only. The model, its gradients, buffers and every RNG are put back. Tensors are
+    copied into a buffer of `FLUSH_ELEMENTS` values rounded when full, so no tensor is kept
+    beyond the step's own and the memory added is that buffer and its two scratch copies.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"what_if needs an nn.Module, got {type(model).__name__}")
     names = (formats,) if isinstance(formats, str) else tuple(formats)
     if not names:
         raise ValueError(f"formats is empty; allowed: e.g. {', '.join(DEFAULT_FORMATS)}")
-    tally = Tally(tuple(get_cast(f) for f in names))
+    tally = Tally(tuple(get_cast(f) for f in names), FLUSH_ELEMENTS)
     mode = get_mode("32-true")
     device = next(model.parameters(), torch.empty(0)).device
     run = as_batch(batch, loss_fn)
@@ -127,6 +97,7 @@ def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = N
             _, loss = forward_loss(mode, model, run, loss_fn or _own_loss, device)
             if loss is not None:  # a model with no loss still shows weights and inputs
                 mode.backward(loss)
+    tally.flush()
     if not tally.sums:
         raise ValueError(f"{type(model).__name__} ran no Linear or Conv layer; allowed: a model "
                          "with nn.Linear, nn.Conv*d or transformers' Conv1D layers")

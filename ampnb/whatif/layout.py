@@ -1,0 +1,184 @@
+"""Many tensors as one buffer of 32-value blocks, so that each cast runs once over all of them.
+
+Each tensor's rows (its last axis: the axis block-scaled formats block along) are zero-padded
+to a multiple of 32 and laid end to end. Zeros change no block's amax, round to zero in every
+format and add nothing to an error, so a tensor's figures are the sums over its own blocks; a
+row of 40 makes a block of 32 and one of 8 plus 24 zeros, as `quantize_blocks` pads it. NVFP4's
+blocks of 16 are the halves of these blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ampnb.fp8.scaling import tensor_to_amax
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A tensor split across flushes: its amax and the amax of its finite values, taken whole."""
+
+    amax: torch.Tensor
+    finite_amax: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """The pending tensors as (blocks, 32), with what every cast shares: amaxes, scratch."""
+
+    x: torch.Tensor  # (nb, 32) fp32
+    amax16: torch.Tensor  # (nb, 2, 1): each half block's largest magnitude (NaN if it holds one)
+    amax32: torch.Tensor  # (nb, 1)
+    tensor: torch.Tensor  # (nb,) which tensor each block belongs to
+    row_blocks: torch.Tensor  # (R,) blocks per row, rows in order
+    tensor_amax: torch.Tensor  # (T,) each tensor's amax (of the whole tensor, when split)
+    top: float  # the largest of them (NaN if any is): one sync, shared by the casts
+    starts: tuple[int, ...]  # each tensor's first block
+    work: torch.Tensor  # (nb, 32) fp32 scratch (also read as int32)
+    out: torch.Tensor  # (nb, 32) fp32: where the casts write
+    shapes: tuple[tuple[torch.Size, int], ...]  # each tensor's shape and padded row length
+    whole: tuple[Whole | None, ...]
+    ones: torch.Tensor  # (32,)
+
+    @property
+    def finite(self) -> bool:
+        """Whether no tensor holds an inf or a NaN."""
+        return math.isfinite(self.top)
+
+    def scratch(self, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scratch shaped as the blocks (`shape`), read as float32 and as int32 (one memory)."""
+        return self.work.view(*shape), self.work.view(torch.int32).view(*shape)
+
+    def finite_amax(self, t: int) -> torch.Tensor:
+        """The amax of tensor t's finite values (for NVFP4's tensor scale)."""
+        if self.whole[t] is not None:
+            return self.whole[t].finite_amax
+        return self.of_tensor(t).abs().nan_to_num(0.0, 0.0, 0.0).amax()
+
+    def padding(self, q: torch.Tensor) -> list[torch.Tensor]:
+        """The padding in q (shaped as x) of each tensor whose amax is inf or NaN: the one case
+        where a cast turns a padded zero into something else (0 * NaN, 0 / 0)."""
+        ragged = [t for t, (s, p) in enumerate(self.shapes) if p > s[-1]]
+        if not ragged or self.finite:
+            return []
+        bad = set((~torch.isfinite(self.tensor_amax)).nonzero().flatten().tolist())
+        flat = q.reshape(-1)
+        return [flat[BLOCK * self.starts[t]:].narrow(0, 0, self.shapes[t][0][:-1].numel() * p)
+                .view(*s[:-1], p)[..., s[-1]:] for t in ragged if t in bad
+                for s, p in (self.shapes[t],)]
+
+    def of_tensor(self, t: int) -> torch.Tensor:
+        """Tensor t's blocks."""
+        end = self.starts[t + 1] if t + 1 < len(self.starts) else self.x.shape[0]
+        return self.x[self.starts[t]:end]
+
+
+def _block_amax(a: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """(n, 16) magnitudes -> (n, 1) maxima, as a tree of elementwise maxima: a reduction along
+    a short last axis costs several times more on a CPU. torch.maximum keeps NaN, as amax does.
+    The first level goes into `scratch` (n * 8 elements at least)."""
+    width = a.shape[-1] // 2
+    a = torch.maximum(a[:, :width], a[:, width:], out=scratch[:a.shape[0] * width].view(-1, width))
+    while width > 1:
+        width //= 2
+        a = torch.maximum(a[:, :width], a[:, width:2 * width])
+    return a
+
+
+def whole(x: torch.Tensor) -> Whole:
+    """x's amax and its finite values' amax (NaN-propagating, as a block amax is)."""
+    amax = tensor_to_amax(x)  # no |x| temporary; NaN if x holds one
+    finite = amax if bool(torch.isfinite(amax)) else x.abs().nan_to_num(0.0, 0.0, 0.0).amax()
+    return Whole(amax, finite)
+
+
+class Pending:
+    """Tensors copied into one zero-padded buffer as they come (nothing of the caller's kept)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(-(-capacity // BLOCK) * BLOCK, BLOCK)
+        self.data = self.work = self.out = self.ones = None
+        self.used = 0
+        self.shapes: list[tuple[torch.Size, int]] = []  # each tensor's shape, padded row length
+        self.whole: list[Whole | None] = []
+
+    def room(self, x: torch.Tensor) -> int:
+        """How many slices of x along its first axis fit in the buffer (a tensor of fewer than
+        two axes is one slice); x.shape[0] at most, 0 when none does."""
+        if self.shapes and self.data.device != x.device:
+            return 0
+        units = x.shape[0] if x.dim() > 1 else 1
+        return min(units, (self.capacity - self.used) // max(_padded(x) // units, 1))
+
+    def put(self, x: torch.Tensor, taken_whole: Whole | None = None) -> None:
+        """Copy x (fp32, rows on its last axis) into the buffer, its rows zero-padded."""
+        n = _padded(x)
+        if self.data is None or self.data.device != x.device or self.used + n > self.data.numel():
+            self._grow(x.device, n)
+        shape = x.shape if x.dim() else torch.Size((1,))
+        length = shape[-1]
+        padded = -(-length // BLOCK) * BLOCK
+        dst = self.data[self.used:self.used + n].view(*shape[:-1], padded)
+        dst[..., :length].copy_(x.reshape(shape))
+        if padded > length:
+            dst[..., length:].zero_()
+        self.shapes.append((shape, padded))
+        self.whole.append(taken_whole)
+        self.used += n
+
+    def _grow(self, device: torch.device, n: int) -> None:
+        """Room for n more elements: up to the capacity (or n alone), doubling, data kept."""
+        old = self.data if self.shapes else None
+        size = max(min(self.capacity, 2 * self.used + n), self.used + n)
+        self.data = torch.empty(size, device=device)
+        self.work = torch.empty(size, device=device)
+        self.out = torch.empty(size, device=device)
+        self.ones = torch.ones(BLOCK, device=device)
+        if old is not None:
+            self.data[:self.used].copy_(old[:self.used])
+
+    def blocks(self) -> Blocks:
+        """The buffer as blocks, with each block's, row's and tensor's amax."""
+        nb, dev = self.used // BLOCK, self.data.device
+        x = self.data[:self.used].view(nb, BLOCK)
+        work = self.work[:self.used].view(nb, BLOCK)
+        a = torch.abs(x, out=work).view(2 * nb, BLOCK // 2)
+        amax16 = _block_amax(a, self.out).view(nb, 2, 1)
+        amax32 = torch.maximum(amax16[:, 0], amax16[:, 1])
+        per_row = [p // BLOCK for _, p in self.shapes]
+        rows = [s.numel() // s[-1] for s, _ in self.shapes]
+        counts = [r * p for r, p in zip(rows, per_row)]
+        tensor_blocks = torch.tensor(counts, device=dev)
+        tensor_amax = torch.segment_reduce(amax32.view(-1), "max", lengths=tensor_blocks)
+        for t, w in enumerate(self.whole):
+            if w is not None:  # split: the amax of the whole tensor, not of this piece
+                tensor_amax[t] = w.amax
+        starts = [0]
+        for c in counts[:-1]:
+            starts.append(starts[-1] + c)
+        return Blocks(
+            x, amax16, amax32,
+            torch.repeat_interleave(torch.arange(len(counts), device=dev), tensor_blocks),
+            torch.repeat_interleave(torch.tensor(per_row, device=dev), torch.tensor(rows, device=dev)),
+            tensor_amax, float(tensor_amax.max()), tuple(starts), work,
+            self.out[:self.used].view(nb, BLOCK), tuple(self.shapes),
+            tuple(self.whole), self.ones)
+
+    def unpad(self, flat: torch.Tensor) -> torch.Tensor:
+        """The one tensor in the buffer, taken back out of `flat` (a buffer-shaped result)."""
+        (shape, padded), = self.shapes
+        return flat.reshape(-1)[:self.used].view(*shape[:-1], padded)[..., :shape[-1]]
+
+    def clear(self) -> None:
+        self.used, self.shapes, self.whole = 0, [], []
+
+
+def _padded(x: torch.Tensor) -> int:
+    """x's size in the buffer: its rows zero-padded to a multiple of 32."""
+    length = x.shape[-1] if x.dim() else 1
+    return x.numel() // max(length, 1) * (-(-length // BLOCK) * BLOCK)

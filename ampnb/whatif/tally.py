@@ -1,0 +1,105 @@
+"""Running sums per (module, tensor), computed for many tensors at once: the tensors wait in one
+zero-padded buffer (`layout.Pending`) and every format rounds the whole buffer in one go."""
+
+from __future__ import annotations
+
+import torch
+
+from ampnb.whatif.casts import Cast
+from ampnb.whatif.layout import BLOCK, Blocks, Pending, Whole, whole
+from ampnb.whatif.result import WhatIfRow, sqnr_db
+
+Key = tuple[str, str]
+
+
+def block_figures(b: Blocks, casts: tuple[Cast, ...]) -> torch.Tensor:
+    """Per tensor (T, 2 + 3 F) in float64: |x|^2, zeros; per format |x - q(x)|^2, zeros, past max.
+
+    Each block's sums are taken in fp32 (32 values: a matrix-vector product, faster than a
+    reduction along a short axis on a CPU), then each tensor's. The casts write into b.out and
+    use b.work as scratch.
+    """
+    x, w, out = b.x, b.work, b.out
+    ones = b.ones
+    sums = torch.zeros(2 + 3 * len(casts), x.shape[0], device=x.device)
+    torch.mv(torch.mul(x, x, out=w), ones, out=sums[0])
+    torch.mv(torch.eq(x, 0, out=w), ones, out=sums[1])
+    for i, c in enumerate(casts):
+        over = c.fn(b, out)
+        for pad in b.padding(out):
+            pad.zero_()
+        # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
+        torch.mv(torch.eq(out, 0, out=w), ones, out=sums[3 + 3 * i])
+        torch.mv(out.sub_(x).square_(), ones, out=sums[2 + 3 * i])
+        if over is not None:
+            sums[4 + 3 * i] = over
+    ends = (*b.starts[1:], x.shape[0])
+    # fp32 sums over a piece (as accurate as the one-tensor fp32 norms they replace; counts
+    # exact below 2**24 values, float64 past that), added up across pieces in float64.
+    return torch.stack([sums[:, s:e].sum(1, dtype=torch.float64 if (e - s) * BLOCK >= 2**24 else None)
+                        for s, e in zip(b.starts, ends)]).double()
+
+
+class Tally:
+    """Per (module, tensor): per format |x - q(x)|^2, flushed, past max; |x|^2, count.
+
+    Tensors are copied into a buffer of about `bound` elements as they come and rounded when it
+    is full and at the end (`flush`): the memory added is the buffer and its scratch, whatever
+    the model; no tensor of the caller's is kept.
+    """
+
+    def __init__(self, casts: tuple[Cast, ...], bound: int) -> None:
+        self.casts = casts
+        self.pending = Pending(bound)
+        self.keys: list[tuple[Key, int]] = []
+        self.sums: dict[Key, tuple[torch.Tensor, int] | None] = {}
+
+    def add(self, module: str, tensor: str, x: torch.Tensor) -> None:
+        """Queue x (fp32, rows on its last axis) for rounding into every format."""
+        key = (module, tensor)
+        self.sums.setdefault(key, None)  # rows come in the order the tensors first came
+        if x.numel() == 0:
+            self._add(key, torch.zeros(2 + 3 * len(self.casts), dtype=torch.float64), 0)
+            return
+        taken: Whole | None = None
+        rest: torch.Tensor | None = x
+        while rest is not None:
+            x = rest
+            k = self.pending.room(x)
+            if not k and self.pending.shapes:
+                self.flush()
+                continue
+            k = max(k, 1)  # alone in the buffer: one slice at least, the buffer grows for it
+            if x.dim() > 1 and k < x.shape[0]:
+                # Split across flushes (along the first axis: whole rows): the tensor's own amax
+                # scales tensorwise FP8 and NVFP4, taken before its first piece is rounded.
+                taken = taken or whole(x)
+                piece, rest = x[:k], x[k:]
+            else:
+                piece, rest = x, None
+            self.pending.put(piece, taken)
+            self.keys.append((key, piece.numel()))
+
+    def flush(self) -> None:
+        """Round every queued tensor into every format and add up their statistics."""
+        if not self.keys:
+            return
+        figures = block_figures(self.pending.blocks(), self.casts)
+        for (key, n), row in zip(self.keys, figures.cpu()):
+            self._add(key, row, n)
+        self.pending.clear()
+        self.keys = []
+
+    def _add(self, key: Key, row: torch.Tensor, n: int) -> None:
+        old = self.sums[key]
+        self.sums[key] = (row, n) if old is None else (old[0] + row, old[1] + n)
+
+    def rows(self) -> tuple[WhatIfRow, ...]:
+        out = []
+        for (module, tensor), (row, n) in self.sums.items():  # type: ignore[misc]
+            signal, zeros, *per_format = row.tolist()
+            for k, c in enumerate(self.casts):
+                noise, zeros_q, over = per_format[3 * k:3 * k + 3]
+                out.append(WhatIfRow(module, tensor, c.name, sqnr_db(signal, noise),
+                                     (zeros_q - zeros) / max(n, 1), over / max(n, 1), n))
+        return tuple(out)
