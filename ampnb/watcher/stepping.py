@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dis
 import sys
-import weakref
 from types import FrameType
 from typing import Any
 
@@ -37,7 +36,7 @@ _BODY = frozenset(i.offset for i in dis.get_instructions(_USE_GRAD)
                   if i.opname == "CALL_FUNCTION_EX") if _USE_GRAD is not None else frozenset()
 # `@torch.no_grad()` (LBFGS) and a closure's `enable_grad()` put grad mode back in these
 _GRAD_EXITS = frozenset((torch.no_grad.__exit__.__code__, torch.enable_grad.__exit__.__code__))
-_stepping: weakref.WeakSet = weakref.WeakSet()  # optimizers a watch is stepping now
+_stepping: set[int] = set()  # ids of the optimizers a watch is stepping now (no finalizer)
 
 
 def _restoring_grad_mode(frame: FrameType) -> bool:
@@ -54,16 +53,16 @@ _interrupt._HOLD_IN.append(_restoring_grad_mode)
 
 def started(optimizer: Any) -> None:
     """A watched optimizer's step began (its pre-step hook)."""
-    _stepping.add(optimizer)
+    _stepping.add(id(optimizer))
 
 
 def ended(optimizer: Any) -> None:
     """Its step ended (its post-step hook): an interrupt held in it is raised now."""
-    _stepping.discard(optimizer)
+    _stepping.discard(id(optimizer))
     if not _stepping:
         _interrupt.raise_held(sys._getframe(1))
 
 
 def forget(optimizer: Any) -> None:
     """The watch closes (a step that raised never reached its post-step hook)."""
-    _stepping.discard(optimizer)
+    _stepping.discard(id(optimizer))
