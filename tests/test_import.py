@@ -129,22 +129,31 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _import_sites(name: str, path: pathlib.Path, modules: dict) -> list[tuple[str, int]]:
-    """(ampnb module, line) for every import in the file: module or function level, relative ones
-    resolved, and under `if TYPE_CHECKING:` too (a cycle for the type checker is still a cycle of
-    the design)."""
+def _import_nodes(name: str, path: pathlib.Path) -> list[tuple[str, tuple[str, ...] | None, int]]:
+    """(module, names imported from it or None for `import module`, line) for every import in
+    the file at any depth, relative ones resolved against the module's package."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: list[tuple[str, int]] = []
+    found: list[tuple[str, tuple[str, ...] | None, int]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found += [(a.name, node.lineno) for a in node.names]
+            found += [(a.name, None, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, base] if base else up)
-            found += [(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base, node.lineno)
-                      for a in node.names]
+            found.append((base, tuple(a.name for a in node.names), node.lineno))
+    return found
+
+
+def _import_sites(name: str, path: pathlib.Path, modules: dict) -> list[tuple[str, int]]:
+    """(ampnb module, line) for every import in the file: module or function level, relative ones
+    resolved, and under `if TYPE_CHECKING:` too (a cycle for the type checker is still a cycle of
+    the design)."""
+    found: list[tuple[str, int]] = []
+    for base, names, line in _import_nodes(name, path):
+        found += [(base, line)] if names is None else [
+            (f"{base}.{n}" if f"{base}.{n}" in modules else base, line) for n in names]
     return [(m, line) for m, line in found if m in modules and m != name]
 
 
@@ -323,17 +332,9 @@ def _in(name: str, packages: tuple[str, ...]) -> bool:
 
 def _every_import(name: str, path: pathlib.Path) -> list[tuple[str, int]]:
     """(module, line) of every import in the file, at any depth, relative ones resolved."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[tuple[str, int]] = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [(a.name, node.lineno) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*up, base] if base else up)
-            found += [(base, node.lineno)] + [(f"{base}.{a.name}", node.lineno) for a in node.names]
+    for base, names, line in _import_nodes(name, path):
+        found += [(base, line)] + [(f"{base}.{n}", line) for n in names or ()]
     return found
 
 
