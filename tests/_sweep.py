@@ -42,6 +42,18 @@ def _no_collector() -> Iterator[None]:
             gc.enable()
 
 
+def _run_with(get: Callable[[], Any], set_: Callable[[Any], None], hook: Any,
+              fn: Callable[[], Any]) -> Any:
+    """fn() with `hook` as the trace (or profile) function and the collector off."""
+    previous = get()
+    with _no_collector():
+        set_(hook)
+        try:
+            return fn()
+        finally:
+            set_(previous)
+
+
 def _in_ampnb(frame: Any) -> bool:
     return frame.f_code.co_filename.startswith(PACKAGE)
 
@@ -68,13 +80,7 @@ class LineCounter:
         return self._local if _in_ampnb(frame) else None
 
     def run(self, fn: Callable[[], Any]) -> Any:
-        previous = sys.gettrace()
-        with _no_collector():
-            sys.settrace(self._global)
-            try:
-                return fn()
-            finally:
-                sys.settrace(previous)
+        return _run_with(sys.gettrace, sys.settrace, self._global, fn)
 
 
 class CallCounter:
@@ -98,13 +104,7 @@ class CallCounter:
                 raise KeyboardInterrupt
 
     def run(self, fn: Callable[[], Any]) -> Any:
-        previous = sys.getprofile()
-        with _no_collector():
-            sys.setprofile(self._profile)
-            try:
-                return fn()
-            finally:
-                sys.setprofile(previous)
+        return _run_with(sys.getprofile, sys.setprofile, self._profile, fn)
 
 
 COUNTERS = {"lines": LineCounter, "calls": CallCounter}
