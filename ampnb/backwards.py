@@ -246,7 +246,11 @@ def runs_inside(args: tuple, kwargs: dict) -> bool:
 
 
 def _suspend_hook(owner: Any, *_: Any) -> None:
-    suspend(owner)
+    # every module's forward calls it: inside another module's forward (the outermost holds
+    # the mode), the one case `suspend` leaves alone, it returns without that call
+    held = _here.held
+    if held is None or held is owner or isinstance(held, torch.optim.Optimizer):
+        suspend(owner)
 
 
 def _suspend_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
@@ -255,7 +259,8 @@ def _suspend_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
 
 
 def _resume_hook(owner: Any, *_: Any) -> None:
-    resume(owner)
+    if _here.held is owner:  # else nothing to put back (`resume`'s own first test)
+        resume(owner)
 
 
 @critical
