@@ -15,7 +15,8 @@ from torch import nn
 from ampnb._interrupt import Guard
 from ampnb.batch import failure
 from ampnb.comparison.result import REFERENCE, Comparison, Row, dtypes, errors, kept
-from ampnb.device import TF32_ALLOWED, devices, place, sync, tf32_setting, tf32_state
+from ampnb.device import TF32_ALLOWED, devices, place_model, sync, tf32_setting, tf32_state
+from ampnb.device.placement import AUTO
 from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
@@ -139,7 +140,7 @@ def _checked(o: CompareOptions) -> tuple[Any, dict, list[_Entry], Any]:
         setting = tf32_setting(tf32)
     except ValueError:
         raise ValueError(f"tf32 must be one of {TF32_ALLOWED}, got {tf32!r}") from None
-    stated = None if device is None else _device(device)
+    stated = None if device in AUTO else _device(device)  # "auto": as place_model
     kernels = fp16_kernels_choice(fp16_kernels)
     if keep_fp32 is not None and model is None:
         raise ValueError("compare(keep_fp32=...) needs model=, the nn.Module (or a dict of them) "
@@ -147,8 +148,8 @@ def _checked(o: CompareOptions) -> tuple[Any, dict, list[_Entry], Any]:
     islands = matching_modules(model, keep_fp32) if keep_fp32 is not None else {}
     entries = _entries(modes, setting)
     try:
-        where = place([("the model's parameters", model)] if model is not None else [], stated,
-                      fallback="compare was given no model= to take it from")
+        where = place_model(model, stated,
+                            fallback="compare was given no model= to take it from")
     except ValueError:
         if stated is not None and all(d.type != stated.type for d in devices()):
             for e in entries:  # an absent device: the mode says what would run instead

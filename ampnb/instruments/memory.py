@@ -14,7 +14,7 @@ from ampnb._interrupt import Guard, deferred
 from ampnb._tree import tensors
 from ampnb.apex import master_of
 from ampnb.batch import as_batch, failure, model_loss, step_loss
-from ampnb.device.placement import Placement, place
+from ampnb.device.placement import Placement, place_model
 from ampnb.display import Table, TableView, dtype_name, format_bytes
 from ampnb.modes import PrecisionMode, get_mode
 from ampnb.start import started
@@ -202,7 +202,7 @@ def _step_of(model: Any, batch: Any, loss_fn: Callable | None,
                          f"(outputs, targets) or None, with the batch as one argument: "
                          f"memory_report(model, (inputs, targets), loss_fn).")
     run = as_batch(batch, loss_fn)
-    where = place([("the model's parameters", model), ("the batch", batch)], device)
+    where = place_model(model, device, also=[("the batch", batch)])
     return _Step(model, run, loss_fn, optimizer, where)
 
 

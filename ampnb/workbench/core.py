@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.device import TF32Setting, get_device, place, sync, tf32_setting
+from ampnb.device import TF32Setting, get_device, place_model, sync, tf32_setting
 from ampnb.display import Table, TableView, dtype_name
 from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
@@ -96,7 +96,7 @@ class Workbench(TableView):
         given, self._batches = check_inputs(model, optimizer, loss_fn, batches)
         tf32 = _check_tf32(tf32)
         # The device follows the data: device= only states where the model is (ValueError if not).
-        self.placement = place([("the model's parameters", model)], device)
+        self.placement = place_model(model, device)
         dev = torch.device(self.placement.device)
         current = param_dtype(model)
         described = get_mode(_MODE_OF_DTYPE.get(current, "32-true"))  # what the model is now
