@@ -110,3 +110,46 @@ def test_no_runner_spells_out_the_model_placement_itself():
                                   "workbench/core.py", "instruments/memory.py"])
 def test_the_runners_call_place_model(path):
     assert _calls(ast.parse((ROOT / path).read_text()), "place_model")
+
+
+# ----- --compare hands modes on; compare() does not look them up again by name -------------------
+
+def _unregistered_bf16():
+    from ampnb.modes.mixed import Bf16Mixed
+
+    class Mine(Bf16Mixed):
+        name = "bf16-mixed-mine"  # in no registry: only the instance says what it is
+
+    return Mine()
+
+
+def test_compare_runs_the_mode_it_was_handed_not_one_looked_up_by_name():
+    from ampnb.comparison import compare
+
+    mine = _unregistered_bf16()
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    c = compare(lambda: lin(x), [mine], repeat=1)
+    row = c.rows[-1]
+    assert row.mode == mine.name and not row.failed
+    assert row.result_dtypes == ("bfloat16",)  # its autocast ran
+
+
+def test_amp_compare_hands_compare_the_modes_themselves(monkeypatch):
+    from _magics_kit import amp, shell_with_ampnb
+
+    import ampnb.magics.compare_cell as cell
+    from ampnb.modes import PrecisionMode, get_mode
+
+    handed = []
+    real = cell.compare
+
+    def spy(work, modes, *args, **kwargs):
+        handed.extend(modes)
+        return real(work, modes, *args, **kwargs)
+
+    monkeypatch.setattr(cell, "compare", spy)
+    for ip in shell_with_ampnb():
+        ip.user_ns.update(lin=nn.Linear(4, 4), x=torch.randn(2, 4))
+        amp(ip, "--compare bf16-mixed,16-mixed --repeat 1", "y = lin(x)")
+    assert handed == [get_mode("bf16-mixed"), get_mode("16-mixed")]
+    assert all(isinstance(m, PrecisionMode) for m in handed)
