@@ -153,3 +153,53 @@ def test_amp_compare_hands_compare_the_modes_themselves(monkeypatch):
         amp(ip, "--compare bf16-mixed,16-mixed --repeat 1", "y = lin(x)")
     assert handed == [get_mode("bf16-mixed"), get_mode("16-mixed")]
     assert all(isinstance(m, PrecisionMode) for m in handed)
+
+
+# ----- StepSettings carries a Precision: no parallel mode/device record -------------------------
+
+def test_step_settings_hold_a_precision_not_their_own_mode_and_device():
+    import dataclasses
+
+    from ampnb.step import StepSettings
+
+    fields = [f.name for f in dataclasses.fields(StepSettings)]
+    assert fields == ["precision", "tf32", "fp16_kernels", "keep_fp32"]
+
+
+def _built_with_precision_of(tree: ast.AST, arg: ast.expr) -> bool:
+    """`Precision.of(...)` itself, or a name bound to one in the same module."""
+    def is_of(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "of" and getattr(node.func.value, "id", "") == "Precision")
+    if is_of(arg):
+        return True
+    return isinstance(arg, ast.Name) and any(
+        isinstance(n, ast.Assign) and is_of(n.value) and
+        any(getattr(t, "id", None) == arg.id for t in n.targets) for n in ast.walk(tree))
+
+
+def test_every_runner_builds_its_step_settings_from_precision_of():
+    built = {}
+    for path in ROOT.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for call in _calls(tree, "StepSettings"):
+            where = f"{path.relative_to(ROOT)}:{call.lineno}"
+            built[where] = bool(call.args) and _built_with_precision_of(tree, call.args[0])
+    assert len(built) >= 10  # %%amp, compare, the Workbench, ranks, memory, what-if, ...
+    assert [w for w, ok in built.items() if not ok] == []
+
+
+@pytest.mark.parametrize("mode", ["16-mixed", "bf16-mixed", "32-true"])
+def test_a_cells_settings_carry_the_precision_its_ranks_are_built_from(mode):
+    from ampnb.distributed._ship import RankSettings
+    from ampnb.magics.runs import settings
+
+    s = settings(mode, "cpu", "off")
+    assert isinstance(s.precision, ampnb.Precision)
+    assert (s.mode, s.device) == (s.precision.mode, s.precision.device) == (ampnb.get_mode(mode),
+                                                                              "cpu")
+    assert (s.precision.scaler is not None) == ampnb.get_mode(mode).uses_scaler
+    shipped = RankSettings.of(s)
+    assert shipped.mode == s.precision.mode.name
+    import pickle
+    assert pickle.loads(pickle.dumps(shipped)) == shipped  # plain values for the rank processes

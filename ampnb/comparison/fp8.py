@@ -21,6 +21,7 @@ from ampnb.fp8.convert import Fp8Report, convert_to_fp8
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 from ampnb.fp8.stats import Fp8Stats
 from ampnb.modes import get_mode
+from ampnb.precision import Precision
 from ampnb.putback import rng_kept
 from ampnb.putback import seed as putback_seed
 from ampnb.start import Start
@@ -79,15 +80,15 @@ def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, se
             model, report = convert_to_fp8(model, recipe, backend="ampnb", inplace=True)
         stats = Fp8Stats(model) if watch else None
     losses = []
-    scaler = mode.make_scaler(device)
+    p = Precision.of(mode, device=device)
     # Same seed for every run: dropout draws the same masks, and the caller's RNG is kept.
     with rng_kept():
         putback_seed(seed, device)
         try:
-            with step_context(StepSettings(mode, device)):
+            with step_context(StepSettings(p)):
                 for b in itertools.islice(itertools.cycle(work.batches), steps):
                     done = train_step(mode, model, opt, b, work.loss_fn, device=device,
-                                      scaler=scaler)
+                                      scaler=p.scaler)
                     losses.append(done.loss.item())
         finally:
             if stats is not None:

@@ -20,6 +20,7 @@ from ampnb.device.placement import AUTO
 from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.precision import Precision
 from ampnb.putback import rng_kept
 from ampnb.putback import seed as seed_every_generator
 from ampnb.selective import keep_patterns, matching_modules
@@ -198,12 +199,12 @@ def _measure(work: Work, o: CompareOptions, entries: list[_Entry], dev: torch.de
 
     def once(e: _Entry, meter: MemoryMeter | None = None) -> float:
         nonlocal done
-        mode = e.mode
+        p = Precision.of(e.mode, device=dev)
         # The reference stays IEEE fp32 throughout: no module kept in fp32 there.
         island = keep_patterns(o.keep_fp32) if islands and e != entries[0] else ()
-        cell = cell_context(StepSettings(mode, str(dev), tf32_setting(e.tf32), kernels, island),
+        cell = cell_context(StepSettings(p, tf32_setting(e.tf32), kernels, island),
                             o.model if island else None)
-        with Guard(lambda: work.prepare(mode), lambda _: work.restore()) as note:
+        with Guard(lambda: work.prepare(p.mode), lambda _: work.restore()) as note:
             notes[e] = note
             seed_every_generator(o.seed, str(dev))
             with all_of([cell] + ([meter] if meter is not None else [])):

@@ -17,6 +17,7 @@ from ampnb.batch import as_batch, failure, model_loss, step_loss
 from ampnb.device.placement import Placement, place_model
 from ampnb.display import Table, TableView, dtype_name, format_bytes
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.precision import Precision
 from ampnb.start import started
 from ampnb.step import StepSettings, step_context, train_step
 
@@ -213,9 +214,10 @@ def _measure(step: _Step, m: PrecisionMode) -> MemoryStats:
     with started(step.model, step.optimizer) as start:
         net, opt = start.copy(m, str(dev))
         params = list(net.parameters())
-        with MemoryMeter(dev) as meter, step_context(StepSettings(m, str(dev)), net):
+        p = Precision.of(m, device=dev)
+        with MemoryMeter(dev) as meter, step_context(StepSettings(p), net):
             train_step(m, net, opt, step.run, step.loss_fn or _own_or_mean, device=dev,
-                       scaler=m.make_scaler(dev))
+                       scaler=p.scaler)
     masters = [master_of(p) for p in params]  # APEX O2's fp32 masters live in the optimizer
     return MemoryStats(m.name, meter.peak_bytes, meter.tensors, _nbytes(params),
                        _nbytes(p.grad for p in params),

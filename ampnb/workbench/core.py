@@ -17,6 +17,7 @@ from ampnb.display import Table, TableView, dtype_name
 from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.precision import Precision
 from ampnb.putback import untouched
 from ampnb.selective import matching_modules, widen_kept
 from ampnb.start import Master, param_dtype
@@ -231,8 +232,8 @@ class Workbench(TableView):
 
     def _settings(self) -> StepSettings:
         """What the next step runs under."""
-        return StepSettings(self._mode, str(self._device), tf32_setting(self._tf32),
-                            self._fp16_kernels, self._keep)
+        return StepSettings(Precision.of(self._mode, device=self._device),
+                            tf32_setting(self._tf32), self._fp16_kernels, self._keep)
 
     def speedup(self, window: int = 10) -> float | None:
         """Measured 32-true time / current mode's time on this device (recent medians)."""
