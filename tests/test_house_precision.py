@@ -203,3 +203,25 @@ def test_a_cells_settings_carry_the_precision_its_ranks_are_built_from(mode):
     assert shipped.mode == s.precision.mode.name
     import pickle
     assert pickle.loads(pickle.dumps(shipped)) == shipped  # plain values for the rank processes
+
+
+def test_the_workbench_steps_through_the_precision_its_settings_carry(monkeypatch):
+    """One value: the step's context and its update see the same Precision, with the
+    Workbench's own scaler (not a second, unused GradScaler beside it)."""
+    import ampnb.workbench.core as bench
+
+    seen = []
+    real = bench.step_context
+
+    def spy(settings, models=None):
+        seen.append(settings.precision)
+        return real(settings, models)
+
+    monkeypatch.setattr(bench, "step_context", spy)
+    model = nn.Linear(3, 3)
+    wb = Workbench(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
+                   [(torch.ones(2, 3), torch.zeros(2, 3))], mode="16-mixed", device="cpu")
+    record = wb.step()
+    (p,) = seen
+    assert p.scaler is wb.scaler and p.scaler is not None
+    assert record.scale == p.scaler.get_scale()

@@ -21,7 +21,7 @@ from ampnb.precision import Precision
 from ampnb.putback import untouched
 from ampnb.selective import matching_modules, widen_kept
 from ampnb.start import Master, param_dtype
-from ampnb.step import StepSettings, forward_loss, step_context, train_step
+from ampnb.step import StepSettings, forward_loss, step_context
 from ampnb.workbench.inputs import check_inputs, output_dtype
 from ampnb.workbench.records import StepRecord, history_table, nonfinite_note, speedup
 from ampnb.workbench.state import (
@@ -184,14 +184,14 @@ class Workbench(TableView):
 
     def step(self) -> StepRecord:
         """Run one training step under the current settings and record it."""
-        mode, device, model, opt, scaler = self._mode, self._device, self.model, self.optimizer, self.scaler
+        mode, device, model, opt = self._mode, self._device, self.model, self.optimizer
         batch = self._batches[self._cursor % len(self._batches)]
-        with step_context(self._settings(), model):
+        settings = self._settings()
+        with step_context(settings, model):
             sync(device)
             start = time.perf_counter()
             with MemoryMeter(device) as meter:
-                done = train_step(mode, model, opt, batch, self.loss_fn, device=device,
-                                  scaler=scaler)
+                done = settings.precision.step(model, opt, batch, self.loss_fn)
                 value = float(done.loss)
             sync(device)
             seconds = time.perf_counter() - start
@@ -231,8 +231,8 @@ class Workbench(TableView):
     # ----- what a learner reads -----------------------------------------------------------
 
     def _settings(self) -> StepSettings:
-        """What the next step runs under."""
-        return StepSettings(Precision.of(self._mode, device=self._device),
+        """What the next step runs under: the mode on its device with the Workbench's scaler."""
+        return StepSettings(Precision.of(self._mode, device=self._device, scaler=self.scaler),
                             tf32_setting(self._tf32), self._fp16_kernels, self._keep)
 
     def speedup(self, window: int = 10) -> float | None:
