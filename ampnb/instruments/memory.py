@@ -19,7 +19,7 @@ from ampnb.display import Table, TableView, dtype_name, format_bytes
 from ampnb.modes import PrecisionMode, get_mode
 from ampnb.precision import Precision
 from ampnb.start import started
-from ampnb.step import StepSettings, step_context, train_step
+from ampnb.step import StepSettings, step_context
 
 DEFAULT_MODES = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -216,8 +216,7 @@ def _measure(step: _Step, m: PrecisionMode) -> MemoryStats:
         params = list(net.parameters())
         p = Precision.of(m, device=dev)
         with MemoryMeter(dev) as meter, step_context(StepSettings(p), net):
-            train_step(m, net, opt, step.run, step.loss_fn or _own_or_mean, device=dev,
-                       scaler=p.scaler)
+            p.step(net, opt, step.run, step.loss_fn or _own_or_mean)
     masters = [master_of(p) for p in params]  # APEX O2's fp32 masters live in the optimizer
     return MemoryStats(m.name, meter.peak_bytes, meter.tensors, _nbytes(params),
                        _nbytes(p.grad for p in params),
