@@ -225,3 +225,22 @@ def test_the_workbench_steps_through_the_precision_its_settings_carry(monkeypatc
     (p,) = seen
     assert p.scaler is wb.scaler and p.scaler is not None
     assert record.scale == p.scaler.get_scale()
+
+
+# ----- the modes are no longer fed a device and a scaler at each call site -----------------------
+
+def _callers(name: str) -> list[str]:
+    return sorted(path.relative_to(ROOT).as_posix() for path in ROOT.rglob("*.py")
+                  if _calls(ast.parse(path.read_text()), name))
+
+
+def test_only_precision_step_runs_train_step():
+    """Every runner steps through its Precision (`p.step`): the mode, device and scaler travel
+    together (the doctor's runs, %%amp's memory, compare's fp8 side by side, the Workbench)."""
+    assert _callers("train_step") == ["precision.py"]
+
+
+def test_scalers_are_made_by_precision_of():
+    """Where a mode needs a GradScaler, `Precision.of` makes it; the Workbench keeps its own
+    (carried across mode switches) and the DDP demo spells torch's recipe out by hand."""
+    assert _callers("make_scaler") == ["distributed/ddp.py", "precision.py", "workbench/core.py"]
