@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ampnb.batch import as_batch
-from ampnb.device import place
+from ampnb.device import place_model
 from ampnb.modes import PrecisionMode, get_mode
 from ampnb.step import StepOutcome, train_step
 
@@ -39,7 +39,7 @@ class Precision:
         """The mode on the model's device (or `device`, which must agree with the model's), with
         `scaler` or, where the mode needs one, a new GradScaler for that device."""
         found = get_mode(mode)
-        where = place([("the model's parameters", model)] if model is not None else [], device)
+        where = place_model(model, device)
         if scaler is not None and not found.uses_scaler:
             raise ValueError(f"scaler={type(scaler).__name__} is not allowed with {found.name}; "
                              "allowed: None (only 16-mixed and its kin use a GradScaler)")

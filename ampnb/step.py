@@ -13,7 +13,7 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,16 +33,33 @@ from ampnb.selective import keep_fp32
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-@dataclass(frozen=True)
-class StepSettings:
-    """A mode on a device with a TF32 setting (None: flags as they are), fp16 kernels (None:
-    the process-wide setting) and module patterns kept in fp32."""
+class ModeOnDevice(Protocol):
+    """What a step reads of an `ampnb.Precision` (which sits above this module: its `step` runs
+    `train_step`): the mode, the device it is bound to, the scaler (None: the mode uses none)."""
 
     mode: PrecisionMode
     device: str
+    scaler: torch.amp.GradScaler | None
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """A Precision (`ampnb.Precision.of`: the mode on its device, with its scaler) with a TF32
+    setting (None: flags as they are), fp16 kernels (None: the process-wide setting) and module
+    patterns kept in fp32."""
+
+    precision: ModeOnDevice
     tf32: TF32Setting | None = None
     fp16_kernels: Fp16Kernels | None = None
     keep_fp32: tuple[str, ...] = ()
+
+    @property
+    def mode(self) -> PrecisionMode:
+        return self.precision.mode
+
+    @property
+    def device(self) -> str:
+        return self.precision.device
 
 
 class _Entered(list):

@@ -57,13 +57,15 @@ def test_the_settings_go_as_plain_values_with_what_as_is_meant_here():
     from ampnb.device import TF32Setting, tf32_state
     from ampnb.distributed._ship import RankSettings
     from ampnb.fp16_kernels import Fp16Kernels
-    from ampnb.modes import get_mode
+    from ampnb.precision import Precision
     from ampnb.step import StepSettings
 
-    s = StepSettings(get_mode("16-mixed"), "cpu", TF32Setting.emulate, Fp16Kernels.NATIVE, ("head",))
+    s = StepSettings(Precision.of("16-mixed", device="cpu"), TF32Setting.emulate,
+                     Fp16Kernels.NATIVE, ("head",))
     shipped = RankSettings.of(s)
     assert shipped == RankSettings("16-mixed", "emulate", "native", ("head",), tf32_state())
-    assert RankSettings.of(StepSettings(get_mode("32-true"), "cpu", None, Fp16Kernels.EMULATED)
+    assert RankSettings.of(StepSettings(Precision.of("32-true", device="cpu"), None,
+                                        Fp16Kernels.EMULATED)
                            ).fp16_kernels == "emulated"  # decided here, not by the rank's CPU
     payload = pack("", "1", "<cell>", {}, shipped)
     assert payload.mode == "16-mixed" and payload.settings is shipped

@@ -96,9 +96,9 @@ def test_time_steps_interleaves_and_keeps_threads(monkeypatch):
     order: list[str] = []
     real = run._step
 
-    def step(net, opt, setup, cand, scaler, grads=None):
-        order.append(cand.name)
-        return real(net, opt, setup, cand, scaler, grads)
+    def step(net, opt, setup, p, grads=None):
+        order.append(p.mode.name)
+        return real(net, opt, setup, p, grads)
 
     monkeypatch.setattr(run, "_step", step)
     found, _ = candidates(MODES, "cpu")

@@ -10,6 +10,7 @@ from test_scaler import make
 import ampnb.scaler.stepper as stepper_module
 from ampnb import _kernels, putback_state
 from ampnb.fp16_kernels import set_fp16_kernels
+from ampnb.precision import Precision
 from ampnb.scaler import ScalerStepper
 from ampnb.scaler.stages import plan
 from ampnb.scaler.state import Parts, StepState
@@ -70,7 +71,8 @@ def test_run_enters_the_step_context_once_and_a_lone_stage_once(monkeypatch):
     model, opt, loss_fn, batches = make()
     stepper = ScalerStepper(model, opt, loss_fn, batches, accumulation_steps=2)
     stepper.run(3)
-    assert len(entered) == 1 and entered[0] == StepSettings(stepper.mode, "cpu")
+    assert len(entered) == 1
+    assert (entered[0].mode, entered[0].device) == (stepper.mode, "cpu")
     stepper.step()
     stepper.next_stage()
     assert len(entered) == 3
@@ -88,7 +90,7 @@ def test_the_stage_table_runs_from_the_step_records_alone():
                   ref.mode, torch.device("cpu"), ref.settings, ref._data,
                   list(ref_model.parameters()))
     state, finished = StepState(scale=2.0**16, scale_now=2.0**16), []
-    with step_context(StepSettings(ref.mode, "cpu")):
+    with step_context(StepSettings(Precision.of(ref.mode, device="cpu"))):
         for _ in range(3):
             for stage in plan(2):
                 prepared = None if stage.prepare is None else stage.prepare(parts, state)

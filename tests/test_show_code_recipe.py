@@ -12,6 +12,7 @@ from ampnb.diagnosis.code import code as doctor_code
 from ampnb.distributed.code import take_home
 from ampnb.magics.show_code import show_code
 from ampnb.modes import MODES, get_mode
+from ampnb.precision import Precision
 from ampnb.recipe_code import Loop, accelerator_call, lightning_precision, recipe, step_lines
 from ampnb.step import StepSettings, step_context, train_step
 
@@ -44,7 +45,7 @@ def test_the_recipe_trains_as_the_one_step(mode, clip):
     clip_grads = (lambda: torch.nn.utils.clip_grad_norm_(mine.parameters(), max_norm=clip)) \
         if clip else None
     # fp16 products in torch's own kernels, as the plain recipe runs them
-    with step_context(StepSettings(m, "cpu", fp16_kernels="native")):
+    with step_context(StepSettings(Precision.of(m, device="cpu"), fp16_kernels="native")):
         for x, y in loader:
             train_step(m, mine, opt, as_batch((x, y), loss_fn), loss_fn, device="cpu",
                        scaler=scaler, before_update=clip_grads)

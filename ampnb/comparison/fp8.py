@@ -21,10 +21,11 @@ from ampnb.fp8.convert import Fp8Report, convert_to_fp8
 from ampnb.fp8.recipe import Fp8Recipe, from_recipe_name
 from ampnb.fp8.stats import Fp8Stats
 from ampnb.modes import get_mode
+from ampnb.precision import Precision
 from ampnb.putback import rng_kept
 from ampnb.putback import seed as putback_seed
 from ampnb.start import Start
-from ampnb.step import StepSettings, step_context, train_step
+from ampnb.step import StepSettings, step_context
 
 # run name -> (converts to FP8?, the mode its steps run under). FP8 runs keep bf16 autocast
 # for every other op, as Lightning's Transformer Engine plugin does with its fallback autocast.
@@ -70,7 +71,6 @@ class _Work:
 def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, seed: int,
            watch: bool) -> tuple[list[float], Fp8Report | None, Fp8Stats | None]:
     to_fp8, mode_name = RUNS[run]
-    mode = get_mode(mode_name)
     model, opt = work.model, work.optimizer
     report = stats = None
     if to_fp8:
@@ -79,15 +79,14 @@ def _train(work: _Work, run: str, steps: int, device: str, recipe: Fp8Recipe, se
             model, report = convert_to_fp8(model, recipe, backend="ampnb", inplace=True)
         stats = Fp8Stats(model) if watch else None
     losses = []
-    scaler = mode.make_scaler(device)
+    p = Precision.of(mode_name, device=device)
     # Same seed for every run: dropout draws the same masks, and the caller's RNG is kept.
     with rng_kept():
         putback_seed(seed, device)
         try:
-            with step_context(StepSettings(mode, device)):
+            with step_context(StepSettings(p)):
                 for b in itertools.islice(itertools.cycle(work.batches), steps):
-                    done = train_step(mode, model, opt, b, work.loss_fn, device=device,
-                                      scaler=scaler)
+                    done = p.step(model, opt, b, work.loss_fn)
                     losses.append(done.loss.item())
         finally:
             if stats is not None:

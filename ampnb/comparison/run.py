@@ -15,10 +15,12 @@ from torch import nn
 from ampnb._interrupt import Guard
 from ampnb.batch import failure
 from ampnb.comparison.result import REFERENCE, Comparison, Row, dtypes, errors, kept
-from ampnb.device import TF32_ALLOWED, devices, place, sync, tf32_setting, tf32_state
+from ampnb.device import TF32_ALLOWED, devices, place_model, sync, tf32_setting, tf32_state
+from ampnb.device.placement import AUTO
 from ampnb.fp16_kernels import fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.precision import Precision
 from ampnb.putback import rng_kept
 from ampnb.putback import seed as seed_every_generator
 from ampnb.selective import keep_patterns, matching_modules
@@ -61,27 +63,29 @@ def _device(device: str | torch.device) -> torch.device:
 
 @dataclass(frozen=True)
 class _Entry:
-    mode: str
+    mode: PrecisionMode  # the mode as handed in: not looked up again by its name
     tf32: str | None
 
     @property
     def label(self) -> str:
-        return self.mode if self.tf32 in (None, "off") else f"{self.mode} + TF32 {self.tf32}"
+        name = self.mode.name
+        return name if self.tf32 in (None, "off") else f"{name} + TF32 {self.tf32}"
 
 
-def _entries(modes: Iterable[str] | str, setting: str | None) -> list[_Entry]:
+def _entries(modes: Iterable[str | PrecisionMode] | str, setting: str | None) -> list[_Entry]:
     """The reference (32-true, TF32 off: IEEE fp32) first, then each mode under `setting`."""
     items = modes.split(",") if isinstance(modes, str) else list(modes)
-    names = [get_mode(m).name for m in items if not (isinstance(m, str) and not m.strip())]
-    if not names:
+    found = [get_mode(m) for m in items if not (isinstance(m, str) and not m.strip())]
+    if not found:
         raise ValueError("compare needs at least one mode, e.g. ('32-true', 'bf16-mixed')")
     if setting is None:  # "as is": what the flags say now, so that a duplicate is recognised
         setting = "on" if tf32_state().matmul else "off"
-    entries = [_Entry(REFERENCE, "off"), *(_Entry(n, setting) for n in names)]
+    entries = [_Entry(get_mode(REFERENCE), "off"), *(_Entry(m, setting) for m in found)]
     return list(dict.fromkeys(entries))
 
 
-def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-mixed",),
+def compare(work: Work | Callable[[], Any],
+            modes: Iterable[str | PrecisionMode] | str = ("bf16-mixed",),
             device: str | torch.device | None = None, repeat: int = 5, warmup: int | None = None,
             seed: int = 0,
             tf32: str | bool | None = None,
@@ -92,9 +96,9 @@ def compare(work: Work | Callable[[], Any], modes: Iterable[str] | str = ("bf16-
     """Run `work` under 32-true and each mode; median time, memory and error against 32-true.
 
     The reference is 32-true with TF32 off (IEEE fp32); the modes run under `tf32` ('on',
-    'off', 'emulate', None = as the flags are). Every run starts from `work.prepare(mode)` and
-    `putback.seed(seed)` (every generator) and ends with `work.restore()`; the RNG state is restored
-    afterwards. Runs go round-robin over the modes so that drift hits all alike. A mode whose
+    'off', 'emulate', None = as the flags are); each mode a name or a PrecisionMode, run as handed
+    in. Every run starts from `work.prepare(mode)` and `putback.seed(seed)` (every generator) and
+    ends with `work.restore()`; the RNG state is restored afterwards. Runs go round-robin over the modes so that drift hits all alike. A mode whose
     run raises gets a failed row with the error; only a failing 32-true run raises.
     The device is where `model`'s parameters are (torch's default device without a model);
     `device` only states it (ValueError naming both when they disagree). `warmup` runs per
@@ -114,7 +118,7 @@ class CompareOptions:
     """How compare runs: the modes, device, timed repeats and warm-ups, seed, TF32, progress
     callback, fp16 kernels, modules kept in fp32 and the model they are named in."""
 
-    modes: Iterable[str] | str = ("bf16-mixed",)
+    modes: Iterable[str | PrecisionMode] | str = ("bf16-mixed",)
     device: str | torch.device | None = None
     repeat: int = 5
     warmup: int | None = None
@@ -139,7 +143,7 @@ def _checked(o: CompareOptions) -> tuple[Any, dict, list[_Entry], Any]:
         setting = tf32_setting(tf32)
     except ValueError:
         raise ValueError(f"tf32 must be one of {TF32_ALLOWED}, got {tf32!r}") from None
-    stated = None if device is None else _device(device)
+    stated = None if device in AUTO else _device(device)  # "auto": as place_model
     kernels = fp16_kernels_choice(fp16_kernels)
     if keep_fp32 is not None and model is None:
         raise ValueError("compare(keep_fp32=...) needs model=, the nn.Module (or a dict of them) "
@@ -147,16 +151,16 @@ def _checked(o: CompareOptions) -> tuple[Any, dict, list[_Entry], Any]:
     islands = matching_modules(model, keep_fp32) if keep_fp32 is not None else {}
     entries = _entries(modes, setting)
     try:
-        where = place([("the model's parameters", model)] if model is not None else [], stated,
-                      fallback="compare was given no model= to take it from")
+        where = place_model(model, stated,
+                            fallback="compare was given no model= to take it from")
     except ValueError:
         if stated is not None and all(d.type != stated.type for d in devices()):
             for e in entries:  # an absent device: the mode says what would run instead
-                get_mode(e.mode).check(stated)
+                e.mode.check(stated)
         raise
     dev = torch.device(where.device)
     for e in entries:
-        get_mode(e.mode).check(dev)
+        e.mode.check(dev)
     return kernels, islands, entries, where
 
 
@@ -173,7 +177,7 @@ def compare_with(work: Work | Callable[[], Any], o: CompareOptions) -> Compariso
                                                      warmup)
     for e in entries:
         said = [notes.get(e, "")]
-        if get_mode(e.mode).compute_dtype == torch.float16:
+        if e.mode.compute_dtype == torch.float16:
             said.append(fp16_kernels_note(dev, kernels))
         if islands and e != entries[0]:
             said.append(f"kept in fp32: {', '.join(islands)}")
@@ -195,12 +199,12 @@ def _measure(work: Work, o: CompareOptions, entries: list[_Entry], dev: torch.de
 
     def once(e: _Entry, meter: MemoryMeter | None = None) -> float:
         nonlocal done
-        mode = get_mode(e.mode)
+        p = Precision.of(e.mode, device=dev)
         # The reference stays IEEE fp32 throughout: no module kept in fp32 there.
         island = keep_patterns(o.keep_fp32) if islands and e != entries[0] else ()
-        cell = cell_context(StepSettings(mode, str(dev), tf32_setting(e.tf32), kernels, island),
+        cell = cell_context(StepSettings(p, tf32_setting(e.tf32), kernels, island),
                             o.model if island else None)
-        with Guard(lambda: work.prepare(mode), lambda _: work.restore()) as note:
+        with Guard(lambda: work.prepare(p.mode), lambda _: work.restore()) as note:
             notes[e] = note
             seed_every_generator(o.seed, str(dev))
             with all_of([cell] + ([meter] if meter is not None else [])):
@@ -249,9 +253,9 @@ def _row(e: _Entry, ref: _Entry, times: dict, results: dict, memory: dict, notes
          failed: dict) -> Row:
     if e in failed:
         nan = math.nan
-        return Row(e.label, e.mode, e.tf32, nan, tuple(times[e]), nan, 0, None, nan, nan, (),
+        return Row(e.label, e.mode.name, e.tf32, nan, tuple(times[e]), nan, 0, None, nan, nan, (),
                    f"failed: {failed[e]}", failed=True)
     med = statistics.median(times[e])
     err = (0.0, 0.0) if e == ref else errors(results[e], results[ref])
-    return Row(e.label, e.mode, e.tf32, med, tuple(times[e]), statistics.median(times[ref]) / med,
+    return Row(e.label, e.mode.name, e.tf32, med, tuple(times[e]), statistics.median(times[ref]) / med,
                *memory[e], *err, dtypes(results[e]), notes.get(e, ""))

@@ -18,7 +18,7 @@ _EXPORTS = {
                      "tf32_context", "tf32_effect", "tf32_setting", "tf32_state"),
                     "ampnb.device.tf32_switch"),
     **dict.fromkeys(("SOURCES", "spec_columns"), "ampnb.device.spec"),
-    **dict.fromkeys(("Placement", "data_devices", "for_ranks", "place"), "ampnb.device.placement"),
+    **dict.fromkeys(("Placement", "data_devices", "for_ranks", "place", "place_model"), "ampnb.device.placement"),
     **dict.fromkeys(("Throughput", "matmul_throughput", "throughput_table"),
                     "ampnb.device.throughput"),
 }

@@ -90,6 +90,14 @@ def place(sources: Iterable[tuple[str, Any]], stated: Any = None, *, flag: str =
     return Placement(_name(default), f"torch's default device: {fallback}")
 
 
+def place_model(model: Any, stated: Any = None, *, also: Iterable[tuple[str, Any]] = (),
+                flag: str = "device=", fallback: str = "no model or tensor was given") -> Placement:
+    """Where a model runs: its parameters' device (None: no model), else that of `also`'s data
+    (e.g. the batch), which `stated` only states: `place`, spelled once for every runner."""
+    sources = [] if model is None else [("the model's parameters", model)]
+    return place([*sources, *also], stated, flag=flag, fallback=fallback)
+
+
 def _or(found: list[torch.device]) -> str:
     names = [_name(d) for d in found]
     return " or ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " or " + names[-1]

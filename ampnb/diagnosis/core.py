@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ampnb.batch import as_batch
-from ampnb.device import place
+from ampnb.device import place_model
 from ampnb.diagnosis.arguments import check_model, check_options
 from ampnb.diagnosis.budget import Budget, Clock
 from ampnb.diagnosis.memory_cap import MemoryCap
@@ -95,7 +95,7 @@ def doctor_setup(model: nn.Module, options: DoctorOptions, *, batch: Any = None,
     if not isinstance(o.train, bool):
         raise ValueError(f"train={o.train!r} is not allowed; allowed: True (a training step) or "
                          "False (inference: one forward)")
-    where = place([("the model's parameters", model)], o.device)
+    where = place_model(model, o.device)
     dev = where.device
     p = plan(o.modes, dev)  # bad mode names are refused before any work
     cap = MemoryCap(dev)  # before the doctor's own copies: the peak of the user's training

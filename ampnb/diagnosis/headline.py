@@ -34,6 +34,7 @@ from ampnb.diagnosis.run import (
     _nbytes,
     _step,
     _timed,
+    bound,
     keeps_model,
 )
 from ampnb.diagnosis.stochastic import find
@@ -41,6 +42,7 @@ from ampnb.diagnosis.weights import weights_left
 from ampnb.instruments.hunt import NonFinite
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import get_mode
+from ampnb.precision import Precision
 from ampnb.step import forward_loss
 
 UNIT_STEPS = 2  # plain 32-true steps after its first: the budget's unit, and the noise
@@ -79,7 +81,8 @@ def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.O
     read (`ref` None: the reference, whose gradients are kept). A GradScaler that skips the step
     halves its scale and steps again, as training would: each of those steps counts. A forward
     past `forward` seconds, or a backward past `within`, is stopped (deadline.Stopped)."""
-    scaler = cand.mode.make_scaler(setup.device)
+    p = bound(cand, setup.device)
+    scaler = p.scaler
     store = setup.spill() if ref is None else None
     skipped = 0
     while True:
@@ -88,7 +91,7 @@ def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.O
             sync(setup.device)
             t0 = time.perf_counter()
             with until(net, forward, backward=within):
-                out = _step(net, opt, setup, cand, scaler, grads)
+                out = _step(net, opt, setup, p, grads)
             sync(setup.device)
             seconds = time.perf_counter() - t0
         # an inf/NaN loss is no gradient overflow: no loss scale helps it, so no step is retried
@@ -148,16 +151,17 @@ def headline(setup: Setup, ref_cand: Candidate, cands: Sequence[Candidate], cloc
     ref = first_step(setup, ref_cand, net, opt, None, clock)
     unit: list[float] = []
     if ref.finite:
+        plain = bound(ref_cand, setup.device)  # 32-true: no scaler
         for _ in range(UNIT_STEPS):
-            _timed(setup, ref_cand, net, opt, None, unit)
+            _timed(setup, ref_cand, net, opt, plain, unit)
         clock.plain = min(unit)
     head = Headline(setup, ref, {ref_cand.name: ref}, {}, None, copy_seconds=made)
     if not ref.finite:
         return head
     copies: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {"fp32": (net, opt)}
     mixed = [c for c in cands if keeps_model(c)]
-    head, scalers = _first_steps(head, ref_cand, mixed, copies, clock, say, must=True)
-    times = _rounds(setup, [ref_cand, *_finite(head, mixed)], copies, scalers, head.estimates,
+    head, bound_at = _first_steps(head, ref_cand, mixed, copies, clock, say, must=True)
+    times = _rounds(setup, [ref_cand, *_finite(head, mixed)], copies, bound_at, head.estimates,
                     clock, repeat, say, must=True)
     # true modes convert the model (a copy of their own) and are recommended only after a
     # multi-step check: their step, then their timing, as the budget allows, with the islands of
@@ -209,7 +213,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
                                       for c, _ in priced}}
     too_large, failed = list(head.too_large), list(head.failed)
     runs = dict(head.runs)
-    scalers: dict[str, torch.amp.GradScaler | None] = {}
+    bound_at: dict[str, Precision] = {}  # each mode at the loss scale its first step settled at
     # the headline's modes that always run are timed once whatever is left: kept in hand
     committed = plain + sum(estimates[c.name] for c, _ in priced
                             if _sure(c, estimates, clock)) if must else 0.0
@@ -238,10 +242,9 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
             continue
         estimates[c.name] = runs[c.name].seconds
         scale = runs[c.name].scale
-        scalers[c.name] = c.mode.make_scaler(setup.device) if scale is None else \
-            torch.amp.GradScaler(torch.device(setup.device).type, init_scale=scale)
+        bound_at[c.name] = bound(c, setup.device, scale)
     return dataclasses.replace(head, runs=runs, estimates=estimates, too_large=tuple(too_large),
-                               failed=tuple(failed)), scalers
+                               failed=tuple(failed)), bound_at
 
 
 def _priced(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate], copies: dict,
@@ -345,7 +348,7 @@ def _probe(setup: Setup, ref: tuple[Candidate, nn.Module] | None,
                   most=most)
 
 
-def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,
+def _rounds(setup: Setup, timed: list[Candidate], copies: dict, bound_at: dict,
             estimates: dict[str, float], clock: Clock, repeat: int,
             say: Callable[[str], None], *, must: bool) -> dict[str, list[float]]:
     """Up to `repeat` round-robin rounds, as many as the budget holds, of 32-true and the modes
@@ -377,5 +380,6 @@ def _rounds(setup: Setup, timed: list[Candidate], copies: dict, scalers: dict,
     for _ in range(rounds):
         for c in timed:
             net, opt = copies["fp32" if keeps_model(c) else c.name]
-            _timed(setup, c, net, opt, scalers.get(c.name), times[c.name])
+            p = bound_at.get(c.name) or bound(c, setup.device)  # 32-true: no scaler
+            _timed(setup, c, net, opt, p, times[c.name])
     return times

@@ -27,9 +27,10 @@ from ampnb.diagnosis.weights import eps_causes, narrow, weights, weights_left
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.precision import Precision
 from ampnb.putback import seed
 from ampnb.start import Start
-from ampnb.step import StepOutcome, forward_loss, train_step
+from ampnb.step import StepOutcome, forward_loss
 
 MIN_SCALE = 2.0**-8  # a loss scale below this means the gradients overflow whatever the scale
 
@@ -121,11 +122,13 @@ def _copy(setup: Setup, cand: Candidate) -> tuple[nn.Module, torch.optim.Optimiz
     return net, opt
 
 
-def _scaler(cand: Candidate, device: str, scale: float | None) -> torch.amp.GradScaler | None:
-    """The mode's GradScaler (None without one), starting at `scale` when given."""
-    if scale is None or not cand.mode.uses_scaler:
-        return cand.mode.make_scaler(device)
-    return torch.amp.GradScaler(torch.device(device).type, init_scale=scale)
+def bound(cand: Candidate, device: str, scale: float | None = None) -> Precision:
+    """The candidate's mode on the device with a fresh GradScaler where the mode uses one (a
+    run's own: every run starts from the snapshot), starting at `scale` when given."""
+    scaler = None
+    if scale is not None and cand.mode.uses_scaler:
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=scale)
+    return Precision.of(cand.mode, device=device, scaler=scaler)
 
 
 def _grads(net: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -165,14 +168,12 @@ class _Grads:
         return math.nan if self.ref is None else self.total.err.rel
 
 
-def _step(net: nn.Module, opt: torch.optim.Optimizer, setup: Setup, cand: Candidate,
-          scaler: torch.amp.GradScaler | None, read: Callable[[], None] | None = None
-          ) -> StepOutcome:
+def _step(net: nn.Module, opt: torch.optim.Optimizer, setup: Setup, p: Precision,
+          read: Callable[[], None] | None = None) -> StepOutcome:
     """The one step from the doctor's seed; `read` sees the unscaled gradients before the update."""
     seed(setup.seed, setup.device)  # the same dropout masks in every run
     model = net if setup.step is None else functools.partial(setup.step, net)
-    return train_step(cand.mode, model, opt, setup.batch, setup.loss_fn, device=setup.device,
-                      scaler=scaler, before_update=read)
+    return p.step(model, opt, setup.batch, setup.loss_fn, before_update=read)
 
 
 def _keep(net: nn.Module, keep: tuple[str, ...]) -> contextlib.AbstractContextManager:
@@ -190,7 +191,7 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     alone in the `local` candidates). `plain` more steps, timed, follow on the same warm copy;
     `scale`: a GradScaler's starting scale (the one the headline's step settled at)."""
     net, opt = _copy(setup, cand)
-    scaler = _scaler(cand, setup.device, scale)
+    p = bound(cand, setup.device, scale)
     # the reference's weights before its step are the snapshot's (on disk): nothing to copy
     before = weights(net) if ref is not None and narrow(cand.mode) else {}
     rec = Recorder(net, setup.device, setup.spill() if reference else None,
@@ -200,7 +201,7 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     t0 = time.perf_counter()
     try:
         with _keep(net, keep), cand.context(setup.device), MemoryMeter(setup.device) as meter:
-            out = _step(net, opt, setup, cand, scaler, grads)
+            out = _step(net, opt, setup, p, grads)
         sync(setup.device)
     finally:
         rec.remove()
@@ -223,7 +224,7 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     timed: list[float] = []
     if step_ok:
         for _ in range(plain):
-            _timed(setup, cand, net, opt, scaler, timed)
+            _timed(setup, cand, net, opt, p, timed)
     del net, opt, out
     if not step_ok or unknown:
         found = hunt(setup, cand, keep, scale)
@@ -268,7 +269,7 @@ def hunt(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float | No
     """The same step again under the non-finite hunter: the first op that made inf/NaN."""
     net, opt = _copy(setup, cand)
     with _keep(net, keep), cand.context(setup.device), Hunter() as hunter:
-        _step(net, opt, setup, cand, _scaler(cand, setup.device, scale))
+        _step(net, opt, setup, bound(cand, setup.device, scale))
     found = hunter.report()
     return NonFinite(False, ops_checked=found.ops_checked) if found.op in ALLOCATING else found
 
@@ -280,7 +281,7 @@ def _step_at(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
     before = weights(net) if ref is not None and narrow(cand.mode) else {}
     grads = _Grads(net, None if ref is None else ref.grads)
     with _keep(net, keep), cand.context(setup.device):
-        _step(net, opt, setup, cand, _scaler(cand, setup.device, scale), grads)
+        _step(net, opt, setup, bound(cand, setup.device, scale), grads)
     return grads, weights_left(net, opt, before, ref)
 
 
@@ -325,22 +326,22 @@ def time_steps(setup: Setup, runs: Sequence[tuple[Candidate, float | None, tuple
         key = "fp32" if keeps_model(cand) else cand.name
         if key not in copies:
             copies[key] = _copy(setup, cand)
-        steppers.append((*copies[key], _scaler(cand, setup.device, scale)))
+        steppers.append((*copies[key], bound(cand, setup.device, scale)))
     times: list[list[float]] = [[] for _ in runs]
     for i in range(warmup + max((n for *_, n in runs), default=0)):
-        for (cand, _, keep, n), (net, opt, scaler), found in zip(runs, steppers, times):
+        for (cand, _, keep, n), (net, opt, p), found in zip(runs, steppers, times):
             if i < warmup + n:
                 with _keep(net, keep):  # islands per step: runs may share the copy
-                    _timed(setup, cand, net, opt, scaler, found if i >= warmup else [])
+                    _timed(setup, cand, net, opt, p, found if i >= warmup else [])
     return times
 
 
 def _timed(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.Optimizer,
-           scaler: torch.amp.GradScaler | None, found: list[float]) -> None:
+           p: Precision, found: list[float]) -> None:
     """One step of one run in its mode's context (autocast is global: entered per step)."""
     with cand.context(setup.device):
         sync(setup.device)
         t0 = time.perf_counter()
-        _step(net, opt, setup, cand, scaler)
+        _step(net, opt, setup, p)
         sync(setup.device)
         found.append(time.perf_counter() - t0)

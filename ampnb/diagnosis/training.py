@@ -32,11 +32,11 @@ from ampnb._tree import tensors
 from ampnb.batch import Batch, as_batch
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
 from ampnb.diagnosis.errors import Err, compare, flat, rel
-from ampnb.diagnosis.run import Setup, _copy, _keep
+from ampnb.diagnosis.run import Setup, _copy, _keep, bound
 from ampnb.diagnosis.tolerance import Tolerance
 from ampnb.diagnosis.weights import eps_causes
 from ampnb.putback import seed
-from ampnb.step import forward_loss, train_step
+from ampnb.step import forward_loss
 from ampnb.workbench.state import nonfinite_params
 
 TRAIN_STEPS = 24       # "a few dozen": enough for AdamW's moments to settle, cheap beside the doctor
@@ -228,7 +228,7 @@ def _run(setup: Setup, cand: Candidate, batches: list[Batch], lrs: tuple[float, 
     a known cause of inf/NaN)."""
     net, opt = _copy(setup, cand)
     _set_lrs(opt, lrs)
-    scaler = cand.mode.make_scaler(setup.device)
+    p = bound(cand, setup.device)
     ids = {id(p): n for n, p in net.named_parameters()}
     names = [ids.get(id(p), f"param {i}") for i, p in enumerate(_positions(opt))]
     watch = _Shadow(opt, names) if shadow else None
@@ -238,8 +238,8 @@ def _run(setup: Setup, cand: Candidate, batches: list[Batch], lrs: tuple[float, 
         for i, b in enumerate(batches):
             seed(setup.seed + i, setup.device)  # step i draws the same dropout masks in each run
             with cand.context(setup.device):
-                out = train_step(cand.mode, model, opt, b, setup.loss_fn, device=setup.device,
-                                 scaler=scaler, before_update=watch and watch.before_update)
+                out = p.step(model, opt, b, setup.loss_fn,
+                             before_update=watch and watch.before_update)
             if watch is not None:
                 watch.after_update(not out.skipped)
             losses.append(float(out.loss.float()))

@@ -57,9 +57,11 @@ class RankSettings:
 
     @classmethod
     def of(cls, s: StepSettings) -> RankSettings:
-        """The settings of a cell run in this process, for its ranks."""
-        kernels = Fp16Kernels.EMULATED if emulates_fp16(s.device, s.fp16_kernels) else Fp16Kernels.NATIVE
-        return cls(s.mode.name, None if s.tf32 is None else s.tf32.value, kernels.value,
+        """The settings of a cell run in this process, for its ranks: its Precision's mode by
+        name (each rank binds it to its own device, `Precision.of(mode, device=...)`)."""
+        p = s.precision
+        kernels = Fp16Kernels.EMULATED if emulates_fp16(p.device, s.fp16_kernels) else Fp16Kernels.NATIVE
+        return cls(p.mode.name, None if s.tf32 is None else s.tf32.value, kernels.value,
                    tuple(s.keep_fp32), tf32_state())
 
 

@@ -36,7 +36,7 @@ from ampnb.comparison.snapshot import cell_models
 from ampnb.device import restore_tf32, tf32_setting
 from ampnb.distributed._ship import unpack
 from ampnb.fp16_kernels import fp16_kernels_choice
-from ampnb.modes import get_mode
+from ampnb.precision import Precision
 from ampnb.step import StepSettings, cell_context
 
 
@@ -96,7 +96,8 @@ def _context(payload: Any, ns: dict[str, Any]) -> contextlib.AbstractContextMana
     if r.flags is not None:
         restore_tf32(r.flags)  # the notebook's TF32 flags: what "as is" meant there
     kernels = None if r.fp16_kernels is None else fp16_kernels_choice(r.fp16_kernels)
-    s = StepSettings(get_mode(r.mode), str(ns["device"]), tf32_setting(r.tf32), kernels, r.keep_fp32)
+    s = StepSettings(Precision.of(r.mode, device=ns["device"]), tf32_setting(r.tf32), kernels,
+                     r.keep_fp32)
     ns["mode"] = s.mode
     return cell_context(s, cell_models(s.keep_fp32, ns, _names(payload.body, payload.last)))
 

@@ -14,11 +14,12 @@ from ampnb._interrupt import Guard, deferred
 from ampnb._tree import tensors
 from ampnb.apex import master_of
 from ampnb.batch import as_batch, failure, model_loss, step_loss
-from ampnb.device.placement import Placement, place
+from ampnb.device.placement import Placement, place_model
 from ampnb.display import Table, TableView, dtype_name, format_bytes
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.precision import Precision
 from ampnb.start import started
-from ampnb.step import StepSettings, step_context, train_step
+from ampnb.step import StepSettings, step_context
 
 DEFAULT_MODES = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -202,7 +203,7 @@ def _step_of(model: Any, batch: Any, loss_fn: Callable | None,
                          f"(outputs, targets) or None, with the batch as one argument: "
                          f"memory_report(model, (inputs, targets), loss_fn).")
     run = as_batch(batch, loss_fn)
-    where = place([("the model's parameters", model), ("the batch", batch)], device)
+    where = place_model(model, device, also=[("the batch", batch)])
     return _Step(model, run, loss_fn, optimizer, where)
 
 
@@ -213,9 +214,9 @@ def _measure(step: _Step, m: PrecisionMode) -> MemoryStats:
     with started(step.model, step.optimizer) as start:
         net, opt = start.copy(m, str(dev))
         params = list(net.parameters())
-        with MemoryMeter(dev) as meter, step_context(StepSettings(m, str(dev)), net):
-            train_step(m, net, opt, step.run, step.loss_fn or _own_or_mean, device=dev,
-                       scaler=m.make_scaler(dev))
+        p = Precision.of(m, device=dev)
+        with MemoryMeter(dev) as meter, step_context(StepSettings(p), net):
+            p.step(net, opt, step.run, step.loss_fn or _own_or_mean)
     masters = [master_of(p) for p in params]  # APEX O2's fp32 masters live in the optimizer
     return MemoryStats(m.name, meter.peak_bytes, meter.tensors, _nbytes(params),
                        _nbytes(p.grad for p in params),

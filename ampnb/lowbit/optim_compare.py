@@ -10,14 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.batch import as_batch
 from ampnb.display import Table, TableView, format_bytes
 from ampnb.instruments.memory import measure_memory
 from ampnb.lowbit.optim import MIN_8BIT_SIZE, Adam8bit, param_groups
 from ampnb.modes import get_mode
+from ampnb.precision import Precision
 from ampnb.putback import rng_kept
 from ampnb.putback import seed as putback_seed
-from ampnb.step import StepSettings, step_context, train_step
+from ampnb.step import StepSettings, step_context
 
 Factory = Callable[[nn.Module, float], torch.optim.Optimizer]
 
@@ -75,12 +75,11 @@ def compare_optimizers(name: str = "gpt", steps: int = 150, *, lr: float | None 
                            if isinstance(opt, Adam8bit) and opt.is_8bit(p, g))
         curve = []
         mode, device = get_mode("32-true"), str(next(d.model.parameters()).device)
-        scaler = mode.make_scaler(device)
-        with rng_kept(), step_context(StepSettings(mode, device)):
+        p = Precision.of(mode, device=device)
+        with rng_kept(), step_context(StepSettings(p)):
             putback_seed(seed, device)  # same dropout masks in every run
             for b in itertools.islice(itertools.cycle(d.batches), steps):
-                done = train_step(mode, d.model, opt, as_batch(b, d.loss_fn), d.loss_fn,
-                                  device=device, scaler=scaler)
+                done = p.step(d.model, opt, b, d.loss_fn)
                 curve.append(done.loss.item())
         losses[run] = tuple(curve)
     return OptimizerComparison(losses, sizes, eight, d.n_params, _same_state(eight, d.model))

@@ -104,7 +104,7 @@ def run_compare(shell: Any, cell: str, s: StepSettings, modes_text: str, repeat:
         if s.keep_fp32 and not models:
             raise UsageError(KEEP_NEEDS_A_MODEL)
         try:
-            result = compare(work, [m.name for m in modes], s.device, repeat=repeat, tf32=s.tf32,
+            result = compare(work, modes, s.device, repeat=repeat, tf32=s.tf32,
                              progress=progress, fp16_kernels=s.fp16_kernels,
                              keep_fp32=s.keep_fp32 or None, model=models)
         except ValueError as e:

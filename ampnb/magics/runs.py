@@ -38,6 +38,7 @@ from ampnb.magics.cell import Watch, compile_cell, run_cell
 from ampnb.magics.report import AmpRun
 from ampnb.magics.show_code import show_code
 from ampnb.modes import MODES, PrecisionMode, get_mode
+from ampnb.precision import Precision
 from ampnb.selective import keep_patterns, matching_modules
 from ampnb.step import StepSettings, all_of, cell_context
 
@@ -95,7 +96,8 @@ def settings(mode: Any, device: Any, tf32: Any, fp16_kernels: Any = None,
     kernels = None if fp16_kernels is None else fp16_kernels_choice(fp16_kernels)
     # IPython's argument parser keeps the quotes of --keep-fp32 "lm_head,*.norm"
     keep = () if keep_fp32 is None else keep_patterns(keep_fp32.strip().strip("'\""))
-    return StepSettings(_available(get_mode(mode), dev), dev, tf32_setting(tf32), kernels, keep)
+    return StepSettings(Precision.of(_available(get_mode(mode), dev), device=dev),
+                        tf32_setting(tf32), kernels, keep)
 
 
 def kept_modules(s: StepSettings, ns: dict[str, Any], names: Any) -> dict[str, nn.Module]:

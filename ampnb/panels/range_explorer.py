@@ -22,6 +22,7 @@ from ampnb.panels.base import Panel
 from ampnb.plots._axes import new_axes
 from ampnb.plots.blocks import plot_blocks
 from ampnb.plots.ranges import RANGE_FORMATS, plot_layer_summary, plot_tensor_histogram
+from ampnb.precision import Precision
 from ampnb.putback import untouched
 from ampnb.step import StepSettings, forward_loss, step_context
 
@@ -141,7 +142,8 @@ class RangeExplorer(Panel):
             if self.batch is not None:
                 mode = get_mode("32-true")  # the model as it is
                 device = next(self.model.parameters(), torch.empty(0)).device
-                with step_context(StepSettings(mode, str(device))), torch.enable_grad():
+                with step_context(StepSettings(Precision.of(mode, device=device))), \
+                        torch.enable_grad():
                     _, loss = forward_loss(mode, self.model, as_batch(self.batch, self.loss_fn),
                                            self.loss_fn or _own_loss, device)
                     if loss is not None and "gradient" in self.kinds:

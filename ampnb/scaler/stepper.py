@@ -15,6 +15,7 @@ from ampnb._interrupt import Guard, deferred
 from ampnb.batch import as_batch
 from ampnb.display import Table
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.precision import Precision
 from ampnb.scaler import stages as stage_table
 from ampnb.scaler.batches import BatchCycle
 from ampnb.scaler.records import StageRecord, StepRecord, history_table
@@ -110,7 +111,7 @@ class ScalerStepper:
         self.optimizer = optimizer
         self._loss_fn = loss_fn
         self.settings = settings
-        self._step_settings = StepSettings(self.mode, str(self.device))
+        self._step_settings = StepSettings(Precision.of(self.mode, device=self.device))
         self._running = False  # inside the step's context (entered once per step() or run(n))
         self._initial = {"model": copy.deepcopy(self.model.state_dict()),
                          "optimizer": copy.deepcopy(optimizer.state_dict())}

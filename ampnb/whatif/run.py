@@ -14,6 +14,7 @@ from ampnb._tree import tensors
 from ampnb.batch import as_batch, model_loss
 from ampnb.fp8.layers import CONVERTIBLE
 from ampnb.modes import get_mode
+from ampnb.precision import Precision
 from ampnb.putback import untouched
 from ampnb.step import StepSettings, forward_loss, step_context
 from ampnb.whatif.casts import DEFAULT_FORMATS, get_cast
@@ -93,7 +94,8 @@ def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = N
     device = next(model.parameters(), torch.empty(0)).device
     run = as_batch(batch, loss_fn)
     with untouched(model), _hooks(model, tally):
-        with step_context(StepSettings(mode, str(device)), model), torch.enable_grad():
+        with step_context(StepSettings(Precision.of(mode, device=device)), model), \
+                torch.enable_grad():
             _, loss = forward_loss(mode, model, run, loss_fn or _own_loss, device)
             if loss is not None:  # a model with no loss still shows weights and inputs
                 mode.backward(loss)

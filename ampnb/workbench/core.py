@@ -12,15 +12,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampnb.device import TF32Setting, get_device, place, sync, tf32_setting
+from ampnb.device import TF32Setting, get_device, place_model, sync, tf32_setting
 from ampnb.display import Table, TableView, dtype_name
 from ampnb.fp16_kernels import Fp16Kernels, fp16_kernels_choice, fp16_kernels_note
 from ampnb.instruments.memory import MemoryMeter
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.precision import Precision
 from ampnb.putback import untouched
 from ampnb.selective import matching_modules, widen_kept
 from ampnb.start import Master, param_dtype
-from ampnb.step import StepSettings, forward_loss, step_context, train_step
+from ampnb.step import StepSettings, forward_loss, step_context
 from ampnb.workbench.inputs import check_inputs, output_dtype
 from ampnb.workbench.records import StepRecord, history_table, nonfinite_note, speedup
 from ampnb.workbench.state import (
@@ -96,7 +97,7 @@ class Workbench(TableView):
         given, self._batches = check_inputs(model, optimizer, loss_fn, batches)
         tf32 = _check_tf32(tf32)
         # The device follows the data: device= only states where the model is (ValueError if not).
-        self.placement = place([("the model's parameters", model)], device)
+        self.placement = place_model(model, device)
         dev = torch.device(self.placement.device)
         current = param_dtype(model)
         described = get_mode(_MODE_OF_DTYPE.get(current, "32-true"))  # what the model is now
@@ -183,14 +184,14 @@ class Workbench(TableView):
 
     def step(self) -> StepRecord:
         """Run one training step under the current settings and record it."""
-        mode, device, model, opt, scaler = self._mode, self._device, self.model, self.optimizer, self.scaler
+        mode, device, model, opt = self._mode, self._device, self.model, self.optimizer
         batch = self._batches[self._cursor % len(self._batches)]
-        with step_context(self._settings(), model):
+        settings = self._settings()
+        with step_context(settings, model):
             sync(device)
             start = time.perf_counter()
             with MemoryMeter(device) as meter:
-                done = train_step(mode, model, opt, batch, self.loss_fn, device=device,
-                                  scaler=scaler)
+                done = settings.precision.step(model, opt, batch, self.loss_fn)
                 value = float(done.loss)
             sync(device)
             seconds = time.perf_counter() - start
@@ -230,9 +231,9 @@ class Workbench(TableView):
     # ----- what a learner reads -----------------------------------------------------------
 
     def _settings(self) -> StepSettings:
-        """What the next step runs under."""
-        return StepSettings(self._mode, str(self._device), tf32_setting(self._tf32),
-                            self._fp16_kernels, self._keep)
+        """What the next step runs under: the mode on its device with the Workbench's scaler."""
+        return StepSettings(Precision.of(self._mode, device=self._device, scaler=self.scaler),
+                            tf32_setting(self._tf32), self._fp16_kernels, self._keep)
 
     def speedup(self, window: int = 10) -> float | None:
         """Measured 32-true time / current mode's time on this device (recent medians)."""
