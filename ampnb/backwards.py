@@ -246,11 +246,7 @@ def runs_inside(args: tuple, kwargs: dict) -> bool:
 
 
 def _suspend_hook(owner: Any, *_: Any) -> None:
-    # every module's forward calls it: inside another module's forward (the outermost holds
-    # the mode), the one case `suspend` leaves alone, it returns without that call
-    held = _here.held
-    if held is None or held is owner or isinstance(held, torch.optim.Optimizer):
-        suspend(owner)
+    suspend(owner)
 
 
 def _suspend_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
@@ -259,8 +255,7 @@ def _suspend_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
 
 
 def _resume_hook(owner: Any, *_: Any) -> None:
-    if _here.held is owner:  # else nothing to put back (`resume`'s own first test)
-        resume(owner)
+    resume(owner)
 
 
 @critical
