@@ -3,6 +3,8 @@
 
 `ampnb.Precision.of("16-mixed", model=model)` binds the mode to the device the model's
 parameters are on (a stated `device=` must agree) and makes the GradScaler the mode needs there.
+It is the only thing inside ampnb that hands a mode its device or its scaler: the step
+(`ampnb.step.train_step`, `forward_loss`, `step_context`) and every runner go through one.
 """
 
 from __future__ import annotations
@@ -35,11 +37,24 @@ class Precision:
     @classmethod
     def of(cls, mode: str | int | PrecisionMode, *, model: nn.Module | None = None,
            device: str | torch.device | None = None,
-           scaler: torch.amp.GradScaler | None = None) -> Precision:
+           scaler: torch.amp.GradScaler | None = None,
+           loss_scaling: bool = True) -> Precision:
         """The mode on the model's device (or `device`, which must agree with the model's), with
-        `scaler` or, where the mode needs one, a new GradScaler for that device."""
+        `scaler` or, where the mode needs one, a new GradScaler for that device.
+
+        `loss_scaling=False` states that there is no loss scaling, on purpose (the
+        ScalerStepper's `enabled=False` lesson: fp16 gradients that underflow are lost): no
+        scaler, a plain backward and step. A scaler torch disabled is still refused.
+        """
         found = get_mode(mode)
         where = place_model(model, device)
+        if loss_scaling not in (True, False):
+            raise ValueError(f"loss_scaling={loss_scaling!r} is not allowed; allowed: True or False")
+        if not loss_scaling:
+            if scaler is not None:
+                raise ValueError(f"scaler={type(scaler).__name__} with loss_scaling=False; "
+                                 "allowed: scaler=None (no loss scaling: no scaler)")
+            return cls(found, where.device, None, where.why)
         if scaler is not None and not found.uses_scaler:
             raise ValueError(f"scaler={type(scaler).__name__} is not allowed with {found.name}; "
                              "allowed: None (only 16-mixed and its kin use a GradScaler)")
@@ -52,6 +67,11 @@ class Precision:
     def forward_context(self) -> contextlib.AbstractContextManager:
         """The mode's forward context on its device (autocast for the mixed modes)."""
         return self.mode.forward_context(self.device)
+
+    def kernel_context(self, *, fp16_kernels: Any = None) -> contextlib.AbstractContextManager:
+        """The mode's products on its device for a whole step (fp16 kernels on a CPU; None:
+        the process-wide setting)."""
+        return self.mode.kernel_context(self.device, fp16_kernels)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return self.mode.convert_module(module)
@@ -94,8 +114,8 @@ class Precision:
              loss_fn: Callable[..., Any] | None = None,
              before_update: Callable[[], None] | None = None) -> StepOutcome:
         """ampnb's one training step (`ampnb.step.train_step`) with the bound device and scaler."""
-        return train_step(self.mode, model, optimizer, as_batch(batch, loss_fn), loss_fn,
-                          device=self.device, scaler=self.scaler, before_update=before_update)
+        return train_step(self, model, optimizer, as_batch(batch, loss_fn), loss_fn,
+                          before_update=before_update)
 
     def __repr__(self) -> str:
         scaler = "none" if self.scaler is None else f"GradScaler(scale={self.scaler.get_scale():g})"

@@ -3,7 +3,7 @@
 A step means what torch's AMP recipe and Lightning Fabric mean: forward and loss under the
 mode's autocast, backward with autocast off, the update through the mode's `optimizer_step`
 (GradScaler, APEX masters), and no autocast-cached weight copy outliving an in-place update.
-Every ampnb runner calls `train_step` (or `forward_loss` + the mode's hooks) inside
+Every ampnb runner calls `train_step` (or `forward_loss` + the Precision's hooks) inside
 `step_context`; a `%%amp` cell, on one process or on `--nproc` ranks, runs in `cell_context`.
 """
 
@@ -34,12 +34,23 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 class ModeOnDevice(Protocol):
-    """What a step reads of an `ampnb.Precision` (which sits above this module: its `step` runs
-    `train_step`): the mode, the device it is bound to, the scaler (None: the mode uses none)."""
+    """What a step uses of an `ampnb.Precision` (which sits above this module: its `step` runs
+    `train_step`): the mode, the device it is bound to, the scaler (None: the mode uses none),
+    and the mode's hooks with that device and scaler handed on (the only place they are)."""
 
     mode: PrecisionMode
     device: str
     scaler: torch.amp.GradScaler | None
+
+    def forward_context(self) -> contextlib.AbstractContextManager: ...
+
+    def kernel_context(self, *, fp16_kernels: Fp16Kernels | None = None
+                       ) -> contextlib.AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer,
+                       before_update: Callable[[], None] | None = None) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -184,7 +195,8 @@ def step_context(s: StepSettings, models: nn.Module | Mapping[str, nn.Module] | 
                  ) -> Guard:
     """What a whole step (forward, backward, update) runs in: TF32, the mode's products, the
     modules kept in fp32. `as` gives what each entered; [0] is the TF32 emulation or None."""
-    return all_of([tf32_context(s.tf32, s.device), s.mode.kernel_context(s.device, s.fp16_kernels),
+    return all_of([tf32_context(s.tf32, s.device),
+                   s.precision.kernel_context(fp16_kernels=s.fp16_kernels),
                    *_kept(models, s.keep_fp32)])
 
 
@@ -194,8 +206,9 @@ def cell_context(s: StepSettings, models: nn.Module | Mapping[str, nn.Module] | 
     forward context except autograd's backward; optimizers step the mode's way (APEX masters);
     no autocast-cached weight outlives an update; a default dtype the cell sets is put back
     under every mode. `as` [0] is the TF32 emulation or None, [-1] the `DefaultDtype`."""
-    return all_of([tf32_context(s.tf32, s.device), s.mode.kernel_context(s.device, s.fp16_kernels),
-                   s.mode.module_init_context(), s.mode.forward_context(s.device),
+    return all_of([tf32_context(s.tf32, s.device),
+                   s.precision.kernel_context(fp16_kernels=s.fp16_kernels),
+                   s.mode.module_init_context(), s.precision.forward_context(),
                    fresh_autocast_weights(), backward_outside_autocast(),
                    s.mode.master_weights(None), *_kept(models, s.keep_fp32),
                    default_dtype_kept()])  # innermost: it sees what the cell itself left
@@ -214,41 +227,44 @@ class StepOutcome:
     skipped: bool
 
 
-def forward_loss(mode: PrecisionMode, model: Callable[..., Any], batch: Batch,
-                 loss_fn: Callable[..., Any] | None, device: str | torch.device
-                 ) -> tuple[Any, torch.Tensor]:
-    """The model's forward and the loss under the mode's forward context: (raw output, loss).
+def forward_loss(precision: ModeOnDevice, model: Callable[..., Any], batch: Batch,
+                 loss_fn: Callable[..., Any] | None) -> tuple[Any, torch.Tensor]:
+    """The model's forward and the loss under the mode's forward context on the Precision's
+    device: (raw output, loss).
 
     Mixed modes are torch.amp's recipe: inputs as given, forward and loss in one autocast
     region, the outputs handed to the loss as the forward made them. True modes are Fabric's:
     floating inputs cast to the mode's dtype, outputs cast back before the loss.
     """
+    mode, device = precision.mode, precision.device
     if mode.is_mixed:
         run = batch.to(device)
-        with mode.forward_context(device):
+        with precision.forward_context():
             raw = run.call(model)
             return raw, step_loss(raw, run, loss_fn)
     run = batch.to(device).convert(mode.convert_input)
-    with mode.forward_context(device):
+    with precision.forward_context():
         raw = run.call(model)
     out = mode.convert_output(raw)
     if loss_fn is None:  # the model's own loss: computed in its forward
         return raw, step_loss(out, run, None)
-    with mode.forward_context(device):
+    with precision.forward_context():
         return raw, step_loss(out, run, loss_fn)
 
 
-def train_step(mode: PrecisionMode, model: Callable[..., Any], optimizer: torch.optim.Optimizer,
-               batch: Batch, loss_fn: Callable[..., Any] | None = None, *,
-               device: str | torch.device = "cpu", scaler: torch.amp.GradScaler | None = None,
+def train_step(precision: ModeOnDevice, model: Callable[..., Any],
+               optimizer: torch.optim.Optimizer, batch: Batch,
+               loss_fn: Callable[..., Any] | None = None, *,
                before_update: Callable[[], None] | None = None) -> StepOutcome:
-    """zero_grad, forward + loss under the mode, `mode.backward`, `mode.optimizer_step`.
+    """zero_grad, forward + loss under the mode, the Precision's `backward` and
+    `optimizer_step` (its scaler, on its device).
 
     `before_update` runs on unscaled gradients before the update (clip, read gradients).
     """
     optimizer.zero_grad(set_to_none=True)
+    scaler = precision.scaler
     scale = None if scaler is None or not scaler.is_enabled() else float(scaler.get_scale())
-    raw, loss = forward_loss(mode, model, batch, loss_fn, device)
-    mode.backward(loss, scaler)
-    stepped = mode.optimizer_step(optimizer, scaler, before_update)
+    raw, loss = forward_loss(precision, model, batch, loss_fn)
+    precision.backward(loss)
+    stepped = precision.optimizer_step(optimizer, before_update=before_update)
     return StepOutcome(loss.detach(), raw, scale, not stepped)

@@ -266,13 +266,13 @@ def _plain_steps(model: Any, batch: Any, optimizer: Any, loss_fn: Any,
                  n: int) -> tuple[list[float], list[float]]:
     """Wall and process-CPU seconds of n plain 32-true steps with the model's optimizer."""
     from ampnb.batch import as_batch
-    from ampnb.modes import get_mode
+    from ampnb.precision import Precision
     from ampnb.step import train_step
 
-    mode, data, wall, cpu = get_mode("32-true"), as_batch(batch, loss_fn), [], []
+    p, data, wall, cpu = Precision.of("32-true", model=model), as_batch(batch, loss_fn), [], []
     for _ in range(n):
         t0, c0 = time.perf_counter(), time.process_time()
-        train_step(mode, model, optimizer, data, loss_fn)
+        train_step(p, model, optimizer, data, loss_fn)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     return wall, cpu

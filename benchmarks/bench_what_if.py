@@ -33,12 +33,11 @@ def _demo(device: str = "cpu"):
 def _runners(device: str):
     import ampnb
     from ampnb.batch import as_batch
-    from ampnb.modes import get_mode
     from ampnb.step import train_step
 
     model, batch, loss_fn, optimizer = _demo(device)
-    mode, data = get_mode("32-true"), as_batch(batch, loss_fn)
-    return {"plain": lambda: train_step(mode, model, optimizer, data, loss_fn, device=device),
+    p, data = ampnb.Precision.of("32-true", model=model, device=device), as_batch(batch, loss_fn)
+    return {"plain": lambda: train_step(p, model, optimizer, data, loss_fn),
             "what_if": lambda: ampnb.what_if(model, batch, loss_fn)}
 
 

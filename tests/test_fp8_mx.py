@@ -119,7 +119,8 @@ def test_the_mode_converts_and_steps():
     assert isinstance(model[0], MxLinear) and model[0].weight.dtype == torch.bfloat16
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = as_batch((torch.randn(32, 32), torch.randn(32, 32)), nn.functional.mse_loss)
-    out = train_step(mode, model, opt, batch, nn.functional.mse_loss, device="cpu")
+    out = train_step(ampnb.Precision.of(mode, model=model), model, opt, batch,
+                     nn.functional.mse_loss)
     assert torch.isfinite(out.loss) and sum(model[0].ran.values()) == 1
     assert mode.availability("cpu").ok and "MX" in mode.availability("cpu").reason
     with pytest.raises(ValueError, match="transformer-engine-mxfp8"):

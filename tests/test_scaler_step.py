@@ -86,11 +86,12 @@ def test_the_stage_table_runs_from_the_step_records_alone():
     ref_model, ref_opt, _, _ = make(seed=3)
     ref = ScalerStepper(ref_model, ref_opt, loss_fn, batches, accumulation_steps=2,
                         clip_norm=0.05)  # converts the model and holds the scaler, unused
-    parts = Parts(ref_model, ref_opt, torch.amp.GradScaler("cpu", init_scale=2.0**16), loss_fn,
-                  ref.mode, torch.device("cpu"), ref.settings, ref._data,
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    p = Precision.of(ref.mode, device="cpu", scaler=scaler)
+    parts = Parts(ref_model, ref_opt, scaler, loss_fn, p, ref.settings, ref._data,
                   list(ref_model.parameters()))
     state, finished = StepState(scale=2.0**16, scale_now=2.0**16), []
-    with step_context(StepSettings(Precision.of(ref.mode, device="cpu"))):
+    with step_context(StepSettings(p)):
         for _ in range(3):
             for stage in plan(2):
                 prepared = None if stage.prepare is None else stage.prepare(parts, state)

@@ -41,14 +41,13 @@ def test_the_recipe_trains_as_the_one_step(mode, clip):
     model, loader = _work()
     mine = m.convert_module(copy.deepcopy(model))
     opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
-    scaler = m.make_scaler("cpu")
+    p = Precision.of(m, device="cpu")
     clip_grads = (lambda: torch.nn.utils.clip_grad_norm_(mine.parameters(), max_norm=clip)) \
         if clip else None
     # fp16 products in torch's own kernels, as the plain recipe runs them
-    with step_context(StepSettings(Precision.of(m, device="cpu"), fp16_kernels="native")):
+    with step_context(StepSettings(p, fp16_kernels="native")):
         for x, y in loader:
-            train_step(m, mine, opt, as_batch((x, y), loss_fn), loss_fn, device="cpu",
-                       scaler=scaler, before_update=clip_grads)
+            train_step(p, mine, opt, as_batch((x, y), loss_fn), loss_fn, before_update=clip_grads)
     src = "\n".join(recipe(m, Loop(device_type='"cpu"', clip=clip)))
     theirs = copy.deepcopy(model)
     ns = dict(torch=torch, model=theirs, loader=loader, loss_fn=loss_fn,
@@ -57,8 +56,8 @@ def test_the_recipe_trains_as_the_one_step(mode, clip):
     assert ("scaler" in ns) == m.uses_scaler
     for a, b in zip(mine.parameters(), ns["model"].parameters(), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    if scaler is not None:
-        assert ns["scaler"].get_scale() == scaler.get_scale()
+    if p.scaler is not None:
+        assert ns["scaler"].get_scale() == p.scaler.get_scale()
 
 
 def test_autocast_surrounds_forward_and_loss_only():

@@ -13,7 +13,6 @@ from torch import nn
 from ampnb.display import Table, TableView, format_bytes
 from ampnb.instruments.memory import measure_memory
 from ampnb.lowbit.optim import MIN_8BIT_SIZE, Adam8bit, param_groups
-from ampnb.modes import get_mode
 from ampnb.precision import Precision
 from ampnb.putback import rng_kept
 from ampnb.putback import seed as putback_seed
@@ -74,10 +73,9 @@ def compare_optimizers(name: str = "gpt", steps: int = 150, *, lr: float | None 
         eight[run] = tuple(names[id(p)] for g in opt.param_groups for p in g["params"]
                            if isinstance(opt, Adam8bit) and opt.is_8bit(p, g))
         curve = []
-        mode, device = get_mode("32-true"), str(next(d.model.parameters()).device)
-        p = Precision.of(mode, device=device)
+        p = Precision.of("32-true", model=d.model)  # where place_model says the demo is
         with rng_kept(), step_context(StepSettings(p)):
-            putback_seed(seed, device)  # same dropout masks in every run
+            putback_seed(seed, p.device)  # same dropout masks in every run
             for b in itertools.islice(itertools.cycle(d.batches), steps):
                 done = p.step(d.model, opt, b, d.loss_fn)
                 curve.append(done.loss.item())

@@ -17,7 +17,6 @@ from ampnb.instruments.coverage_stats import coverage_table
 from ampnb.instruments.summaries import DEFAULT_FORMATS
 from ampnb.instruments.tensor_capture import Capture, capture
 from ampnb.models import Demo
-from ampnb.modes import get_mode
 from ampnb.panels.base import Panel
 from ampnb.plots._axes import new_axes
 from ampnb.plots.blocks import plot_blocks
@@ -140,14 +139,12 @@ class RangeExplorer(Panel):
         loss = None
         with untouched(self.model), cap:  # grads, buffers (BatchNorm stats) and RNG put back
             if self.batch is not None:
-                mode = get_mode("32-true")  # the model as it is
-                device = next(self.model.parameters(), torch.empty(0)).device
-                with step_context(StepSettings(Precision.of(mode, device=device))), \
-                        torch.enable_grad():
-                    _, loss = forward_loss(mode, self.model, as_batch(self.batch, self.loss_fn),
-                                           self.loss_fn or _own_loss, device)
+                p = Precision.of("32-true", model=self.model)  # the model as it is, where it is
+                with step_context(StepSettings(p)), torch.enable_grad():
+                    _, loss = forward_loss(p, self.model, as_batch(self.batch, self.loss_fn),
+                                           self.loss_fn or _own_loss)
                     if loss is not None and "gradient" in self.kinds:
-                        mode.backward(loss)
+                        p.backward(loss)
         return cap, loss is not None
 
     def _first_kind(self) -> str:

@@ -1,7 +1,7 @@
 """What each stage of the canonical AMP loop does to the model, optimizer and scaler.
 
 A runner gets the step's `Parts` and `StepState` (`ampnb.scaler.state`), does its stage with the
-mode's own pieces (`ampnb.step.forward_loss`, `mode.backward`; the stepper runs every stage
+Precision's own pieces (`ampnb.step.forward_loss`, its `backward`; the stepper runs every stage
 inside `ampnb.step.step_context`), leaves what the next stage needs in the state, and returns
 the fields of its `StageRecord`. `ScalerStepper.next_stage()` calls it with SIGINT held back,
 so that a stage either happens and is recorded or does not happen. Only the forward's work
@@ -70,7 +70,7 @@ def _batch(p: Parts, raw: Any) -> Batch:
 def prepare_forward(p: Parts, s: StepState) -> tuple[Any, torch.Tensor]:
     """The forward and the loss of the next batch; interruptible (nothing kept is changed)."""
     batch = _batch(p, p.batches[s.batch_index])
-    return forward_loss(p.mode, p.model, batch, p.loss_fn, p.device)
+    return forward_loss(p.precision, p.model, batch, p.loss_fn)
 
 
 def forward(p: Parts, s: StepState, prepared: tuple[Any, torch.Tensor]) -> Fields:
@@ -107,9 +107,10 @@ def _inject(p: Parts, kind: str, layer: str | None) -> tuple[str, int]:
 
 def backward(p: Parts, s: StepState, _: Any = None) -> Fields:
     loss, s.loss = s.loss, None
-    # The mode's hook: scaler.scale(loss).backward(); it returns what backward took (a disabled
-    # scaler hands the loss back as it is), read back with the gradient statistics.
-    scaled = p.mode.backward(loss, p.scaler).detach()
+    # The Precision's hook: scaler.scale(loss).backward() with the stepper's scaler, or the
+    # plain backward without loss scaling; it returns what backward took, read back with the
+    # gradient statistics.
+    scaled = p.precision.backward(loss).detach()
     note = ("gradients are scaled (x scale) and summed over micro-steps" if p.enabled
             else NO_SCALER_BACKWARD)
     if s.injection is not None:

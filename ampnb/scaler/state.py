@@ -13,27 +13,35 @@ from typing import Any
 import torch
 
 from ampnb.batch import Batch
-from ampnb.modes import PrecisionMode
 from ampnb.scaler.batches import BatchCycle
 from ampnb.scaler.records import GradStats, StepRecord
 from ampnb.scaler.settings import ScalerSettings
+from ampnb.step import ModeOnDevice
 
 
 @dataclass(frozen=True, eq=False)
 class Parts:
-    """The objects a step works on and the run's settings (fixed until a reset or a load)."""
+    """The objects a step works on and the run's settings (fixed until a reset or a load).
+
+    `scaler` is the stepper's GradScaler, whose stages (unscale_, step, update) are spelled out
+    by hand; `precision` (an `ampnb.Precision`) runs the forward and the backward: the mode on
+    its device, holding that scaler, or none when the stepper runs without loss scaling.
+    """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    mode: PrecisionMode
-    device: torch.device
+    precision: ModeOnDevice
     settings: ScalerSettings
     batches: BatchCycle
     params: list[torch.nn.Parameter]
     # id(raw batch) -> its Batch when already on the device (None: moved at each forward)
     placed: dict[int, Batch | None] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.precision.device)
 
     @property
     def enabled(self) -> bool:

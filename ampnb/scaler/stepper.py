@@ -111,7 +111,6 @@ class ScalerStepper:
         self.optimizer = optimizer
         self._loss_fn = loss_fn
         self.settings = settings
-        self._step_settings = StepSettings(Precision.of(self.mode, device=self.device))
         self._running = False  # inside the step's context (entered once per step() or run(n))
         self._initial = {"model": copy.deepcopy(self.model.state_dict()),
                          "optimizer": copy.deepcopy(optimizer.state_dict())}
@@ -123,8 +122,13 @@ class ScalerStepper:
         self.settings = settings
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.enabled,
                                            **settings.scaler_kwargs())
-        self._parts = Parts(self.model, self.optimizer, self.scaler, self._loss_fn, self.mode,
-                            self.device, settings, self._data, list(self.model.parameters()))
+        # The Precision that steps holds this scaler; enabled=False states no loss scaling (the
+        # lesson: gradients that underflow fp16 are lost), never a disabled scaler in a Precision.
+        precision = Precision.of(self.mode, device=self.device, loss_scaling=self.enabled,
+                                 scaler=self.scaler if self.enabled else None)
+        self._step_settings = StepSettings(precision)
+        self._parts = Parts(self.model, self.optimizer, self.scaler, self._loss_fn, precision,
+                            settings, self._data, list(self.model.parameters()))
         self.history: list[StepRecord] = []
         # Stage records of recent steps only, so a long Run N cannot grow memory without end.
         self.stages: deque[StageRecord] = deque(maxlen=_KEEP_STAGES)

@@ -13,7 +13,6 @@ from ampnb._interrupt import Guard
 from ampnb._tree import tensors
 from ampnb.batch import as_batch, model_loss
 from ampnb.fp8.layers import CONVERTIBLE
-from ampnb.modes import get_mode
 from ampnb.precision import Precision
 from ampnb.putback import untouched
 from ampnb.step import StepSettings, forward_loss, step_context
@@ -90,17 +89,15 @@ def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = N
     if not names:
         raise ValueError(f"formats is empty; allowed: e.g. {', '.join(DEFAULT_FORMATS)}")
     tally = Tally(tuple(get_cast(f) for f in names), FLUSH_ELEMENTS)
-    mode = get_mode("32-true")
-    device = next(model.parameters(), torch.empty(0)).device
+    p = Precision.of("32-true", model=model)  # the model as it is, where place_model says
     run = as_batch(batch, loss_fn)
     with untouched(model), _hooks(model, tally):
-        with step_context(StepSettings(Precision.of(mode, device=device)), model), \
-                torch.enable_grad():
-            _, loss = forward_loss(mode, model, run, loss_fn or _own_loss, device)
+        with step_context(StepSettings(p), model), torch.enable_grad():
+            _, loss = forward_loss(p, model, run, loss_fn or _own_loss)
             if loss is not None:  # a model with no loss still shows weights and inputs
-                mode.backward(loss)
+                p.backward(loss)
     tally.flush()
     if not tally.sums:
         raise ValueError(f"{type(model).__name__} ran no Linear or Conv layer; allowed: a model "
                          "with nn.Linear, nn.Conv*d or transformers' Conv1D layers")
-    return WhatIf(tally.rows(), tuple(c.name for c in tally.casts), str(device))
+    return WhatIf(tally.rows(), tuple(c.name for c in tally.casts), p.device)

@@ -221,19 +221,20 @@ class Workbench(TableView):
     def probe(self, context: Callable[[], contextlib.AbstractContextManager]) -> Any:
         """Forward + backward of the next batch inside context(); no update, RNG and buffers kept."""
         batch = self._batches[self._cursor % len(self._batches)]
-        mode, device = self._mode, self._device
-        with (untouched(self.model), step_context(self._settings(), self.model),
-              context() as seen):
-            _, loss = forward_loss(mode, self.model, batch, self.loss_fn, device)
-            mode.backward(loss)
+        settings = self._settings(loss_scaling=False)  # a probe sees the gradients unscaled
+        with (untouched(self.model), step_context(settings, self.model), context() as seen):
+            _, loss = forward_loss(settings.precision, self.model, batch, self.loss_fn)
+            settings.precision.backward(loss)
         return seen
 
     # ----- what a learner reads -----------------------------------------------------------
 
-    def _settings(self) -> StepSettings:
-        """What the next step runs under: the mode on its device with the Workbench's scaler."""
-        return StepSettings(Precision.of(self._mode, device=self._device, scaler=self.scaler),
-                            tf32_setting(self._tf32), self._fp16_kernels, self._keep)
+    def _settings(self, loss_scaling: bool = True) -> StepSettings:
+        """What the next step runs under: the mode on its device with the Workbench's scaler
+        (`loss_scaling=False`: none, for a probe)."""
+        p = Precision.of(self._mode, device=self._device, loss_scaling=loss_scaling,
+                         scaler=self.scaler if loss_scaling else None)
+        return StepSettings(p, tf32_setting(self._tf32), self._fp16_kernels, self._keep)
 
     def speedup(self, window: int = 10) -> float | None:
         """Measured 32-true time / current mode's time on this device (recent medians)."""
@@ -348,7 +349,7 @@ class Workbench(TableView):
                           master.optimizer_state())
         if self.scaler is not None and self.scaler.is_enabled():
             self._scaler_state = self.scaler.state_dict()
-        self.scaler = mode.make_scaler(device)
+        self.scaler = Precision.of(mode, device=device).scaler  # a fresh one where it scales
         if self.scaler is not None and self._scaler_state:
             self.scaler.load_state_dict(self._scaler_state)  # the scale learnt so far carries on
         self._mode, self._device, self._master, self._steps_here = mode, device, master, 0
