@@ -1,4 +1,5 @@
-"""The candidates the doctor runs: a mode, a TF32 setting, and how this machine runs it."""
+"""The candidates the doctor runs: a mode on the doctor's device, a TF32 setting, and how this
+machine runs it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ampnb.cpu import cpu_native
 from ampnb.device import support, tf32_context
 from ampnb.fp16_kernels import Fp16Kernels, emulates_fp16
 from ampnb.modes import PrecisionMode, get_mode
+from ampnb.precision import Precision
 
 REFERENCE = "32-true"
 TF32 = "32-true+tf32"
@@ -21,10 +23,12 @@ FP16_KERNELS = "fp16 kernels"  # how fp16 runs on a CPU without fp16 units: a mo
 
 @dataclass(frozen=True)
 class Candidate:
-    """One column of the doctor's evidence: a mode (+ TF32) and how it runs here."""
+    """One column of the doctor's evidence: a mode on a device (what `Precision.of` needs: each
+    run binds its own, `bound`), TF32, and how it runs here."""
 
     name: str
     mode: PrecisionMode
+    device: str
     tf32: str | None            # None, "on" or "emulate"
     native: bool
     how: str                    # "native", or how: "slow: ...", "fp16 kernels: ...", "emulated: ..."
@@ -38,20 +42,28 @@ class Candidate:
             return "native"
         return FP16_KERNELS if self.fp16_kernels else self.how.split(":")[0].split(" ")[0]
 
-    def context(self, device: str) -> contextlib.ExitStack:
+    def bound(self, scale: float | None = None) -> Precision:
+        """The mode on its device with a fresh GradScaler where the mode uses one (a run's own:
+        every run starts from the snapshot), starting at `scale` when given."""
+        scaler = None
+        if scale is not None and self.mode.uses_scaler:
+            scaler = torch.amp.GradScaler(torch.device(self.device).type, init_scale=scale)
+        return Precision.of(self.mode, device=self.device, scaler=scaler)
+
+    def context(self) -> contextlib.ExitStack:
         """TF32 and fp16-kernel settings for a run of this candidate (forward and backward)."""
         stack = contextlib.ExitStack()
-        stack.enter_context(tf32_context(self.tf32, device))
+        stack.enter_context(tf32_context(self.tf32, self.device))
         kernels = Fp16Kernels.EMULATED if self.fp16_kernels else Fp16Kernels.NATIVE
-        stack.enter_context(self.mode.kernel_context(device, kernels))
+        stack.enter_context(self.bound().kernel_context(fp16_kernels=kernels))
         return stack
 
 
 def _tf32_candidate(device: str) -> Candidate:
     found = support("tf32", device)
     if found.ok:
-        return Candidate(TF32, get_mode(REFERENCE), "on", True, "native")
-    return Candidate(TF32, get_mode(REFERENCE), "emulate", False,
+        return Candidate(TF32, get_mode(REFERENCE), device, "on", True, "native")
+    return Candidate(TF32, get_mode(REFERENCE), device, "emulate", False,
                      f"emulated: inputs of matmuls rounded to TF32 ({found.reason})")
 
 
@@ -63,7 +75,7 @@ def _fp16_kernels_candidate(mode: PrecisionMode, device: str) -> Candidate | Non
     if not found.ok:
         return None
     why = "fp16_kernels='emulated'" if cpu_native("fp16") else "no native fp16 units on this CPU"
-    return Candidate(mode.name, mode, None, False,
+    return Candidate(mode.name, mode, device, None, False,
                      f"{FP16_KERNELS}: fp32 products of fp16-rounded inputs, rounded once to fp16 "
                      f"(as tensor cores compute; {why})" + (f"; {found.reason}" if found.reason
                                                              else ""), fp16_kernels=True)
@@ -79,7 +91,8 @@ def candidate(name: str, device: str) -> Candidate | None:
     found = support(mode, device)
     if not found.ok:
         return None
-    return Candidate(mode.name, mode, None, found.native, "native" if found.native else found.reason)
+    return Candidate(mode.name, mode, device, None, found.native,
+                     "native" if found.native else found.reason)
 
 
 def candidates(modes: Iterable[str] | None, device: str) -> tuple[list[Candidate], list[str]]:

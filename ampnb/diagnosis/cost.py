@@ -49,10 +49,11 @@ class Prices:
 
 def _forward(cand: Candidate, net: nn.Module, batch: Batch, loss_fn: Callable | None,
              device: str, most: float = math.inf) -> float:
-    with torch.no_grad(), cand.context(device), until(net, most):
+    p = cand.bound()
+    with torch.no_grad(), cand.context(), until(net, most):
         sync(device)
         t0 = time.perf_counter()
-        forward_loss(cand.mode, net, batch, loss_fn, device)
+        forward_loss(p, net, batch, loss_fn)
         sync(device)
         return time.perf_counter() - t0
 

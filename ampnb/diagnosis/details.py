@@ -37,7 +37,7 @@ def fp64_check(setup: Setup, ref: StepResult) -> str:
     """32-true's own error, against the same step in float64 (where the model allows)."""
     mode = get_mode("64-true")
     try:
-        exact = measure(setup, Candidate(mode.name, mode, None, True, "reference check"), ref=ref)
+        exact = measure(setup, Candidate(mode.name, mode, setup.device, None, True, "reference check"), ref=ref)
     except (RuntimeError, TypeError, ValueError) as e:
         return f"64-true could not run this model ({str(e).splitlines()[0][:80]})"
     if not exact.finite:

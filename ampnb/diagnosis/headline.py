@@ -34,14 +34,12 @@ from ampnb.diagnosis.run import (
     _nbytes,
     _step,
     _timed,
-    bound,
     keeps_model,
 )
 from ampnb.diagnosis.stochastic import find
 from ampnb.diagnosis.weights import weights_left
 from ampnb.instruments.hunt import NonFinite
 from ampnb.instruments.memory import MemoryMeter
-from ampnb.modes import get_mode
 from ampnb.precision import Precision
 from ampnb.step import forward_loss
 
@@ -81,13 +79,13 @@ def first_step(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.O
     read (`ref` None: the reference, whose gradients are kept). A GradScaler that skips the step
     halves its scale and steps again, as training would: each of those steps counts. A forward
     past `forward` seconds, or a backward past `within`, is stopped (deadline.Stopped)."""
-    p = bound(cand, setup.device)
+    p = cand.bound()
     scaler = p.scaler
     store = setup.spill() if ref is None else None
     skipped = 0
     while True:
         grads = _Grads(net, None if ref is None else ref.grads, store)
-        with cand.context(setup.device), MemoryMeter(setup.device) as meter:
+        with cand.context(), MemoryMeter(setup.device) as meter:
             sync(setup.device)
             t0 = time.perf_counter()
             with until(net, forward, backward=within):
@@ -132,8 +130,8 @@ def _quiet(setup: Setup, net: nn.Module) -> Setup:
         quiet = find(net, lambda: setup.step(net), grad=True)
     else:
         # a slice of the batch draws from the same modules at an eighth of the cost
-        quiet = find(net, lambda: forward_loss(get_mode("32-true"), net, sliced(setup.batch),
-                                               setup.loss_fn, setup.device))
+        reference = Precision.of("32-true", device=setup.device)
+        quiet = find(net, lambda: forward_loss(reference, net, sliced(setup.batch), setup.loss_fn))
     quiet.apply(net)
     return dataclasses.replace(setup, quiet=quiet)
 
@@ -151,7 +149,7 @@ def headline(setup: Setup, ref_cand: Candidate, cands: Sequence[Candidate], cloc
     ref = first_step(setup, ref_cand, net, opt, None, clock)
     unit: list[float] = []
     if ref.finite:
-        plain = bound(ref_cand, setup.device)  # 32-true: no scaler
+        plain = ref_cand.bound()  # 32-true: no scaler
         for _ in range(UNIT_STEPS):
             _timed(setup, ref_cand, net, opt, plain, unit)
         clock.plain = min(unit)
@@ -242,7 +240,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
             continue
         estimates[c.name] = runs[c.name].seconds
         scale = runs[c.name].scale
-        bound_at[c.name] = bound(c, setup.device, scale)
+        bound_at[c.name] = c.bound(scale)
     return dataclasses.replace(head, runs=runs, estimates=estimates, too_large=tuple(too_large),
                                failed=tuple(failed)), bound_at
 
@@ -380,6 +378,6 @@ def _rounds(setup: Setup, timed: list[Candidate], copies: dict, bound_at: dict,
     for _ in range(rounds):
         for c in timed:
             net, opt = copies["fp32" if keeps_model(c) else c.name]
-            p = bound_at.get(c.name) or bound(c, setup.device)  # 32-true: no scaler
+            p = bound_at.get(c.name) or c.bound()  # 32-true: no scaler
             _timed(setup, c, net, opt, p, times[c.name])
     return times

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ampnb._quiet import QuietProfile
 from ampnb.diagnosis.candidates import Candidate
-from ampnb.diagnosis.run import Setup, _copy, _step, bound
+from ampnb.diagnosis.run import Setup, _copy, _step
 from ampnb.display import Table, TableView, format_percent, format_seconds
 
 CASTS = frozenset({"aten::to", "aten::_to_copy", "aten::copy_"})
@@ -130,8 +130,8 @@ def profile_run(setup: Setup, cand: Candidate, scale: float | None = None, top: 
     net, opt = _copy(setup, cand)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                      if torch.device(setup.device).type == "cuda" else [])
-    p = bound(cand, setup.device, scale)
-    with cand.context(setup.device):
+    p = cand.bound(scale)
+    with cand.context():
         if warmup:
             _step(net, opt, setup, p)
         with QuietProfile(profile(activities=acts, record_shapes=True)) as prof:

@@ -38,16 +38,16 @@ def _amax(t: torch.Tensor) -> float:
     return float(a.max()) if a.numel() else math.nan
 
 
-def _run_alone(module: nn.Module, inputs: Any, cand: Candidate, device: str
-               ) -> torch.Tensor | None:
+def _run_alone(module: nn.Module, inputs: Any, cand: Candidate) -> torch.Tensor | None:
     """A leaf module alone on (a copy of) the given fp32 inputs, in a candidate's arithmetic."""
     args, kwargs = map_tensors(torch.clone, inputs)
-    mode = cand.mode
+    p = cand.bound()
+    mode = p.mode
     if not mode.is_mixed:  # a true mode computes in its weights' dtype: a converted copy
         module = mode.convert_module(copy.deepcopy(module))
     with rng_kept():  # a module run aside must not move the reference's random stream
         try:
-            with torch.no_grad(), cand.context(device), mode.forward_context(device):
+            with torch.no_grad(), cand.context(), p.forward_context():
                 return _first_floats(module(*mode.convert_input(args), **mode.convert_input(kwargs)))
         except (RuntimeError, TypeError, ValueError):  # e.g. an op without a kernel for the dtype
             return None
@@ -97,7 +97,7 @@ class Recorder:
                 self.end_to_end[name] = compare(found, self.ref.get(name))
             inputs = self.inputs.pop(name, None)
             if alone and inputs is not None:
-                self.local[name] = {c.name: _local(module, inputs, c, self.device, found)
+                self.local[name] = {c.name: _local(module, inputs, c, found)
                                     for c in self.cands}
         return hook
 
@@ -107,7 +107,7 @@ class Recorder:
         self.inputs.clear()
 
 
-def _local(module: nn.Module, inputs: Any, cand: Candidate, device: str, want: torch.Tensor
+def _local(module: nn.Module, inputs: Any, cand: Candidate, want: torch.Tensor
            ) -> Err:
-    got = _run_alone(module, inputs, cand, device)
+    got = _run_alone(module, inputs, cand)
     return NOT_COMPARED if got is None else compare(got, want)

@@ -124,7 +124,7 @@ class Replay(TableView):
             return batch.call(entry)
 
     def _step(self, entry: nn.Module, batch: Batch, grads: list) -> None:
-        from ampnb.modes import get_mode
+        from ampnb.precision import Precision
         from ampnb.watcher.hooks import float_outputs
 
         out = self._forward(entry, batch)
@@ -144,7 +144,8 @@ class Replay(TableView):
         # kept step's GradScaler did, at the scale it ran at
         scaler = None if self.scale is None else torch.amp.GradScaler(
             loss.device.type, init_scale=self.scale)
-        get_mode("32-true" if scaler is None else "16-mixed").backward(loss.float(), scaler)
+        Precision.of("32-true" if scaler is None else "16-mixed", device=loss.device,
+                     scaler=scaler).backward(loss.float())
 
     def _hunt(self, rng: dict[str, Any] | None) -> tuple[int | None, Any]:
         from ampnb.instruments.hunt import find_nonfinite

@@ -26,7 +26,7 @@ from ampnb.diagnosis.store import Store
 from ampnb.diagnosis.weights import eps_causes, narrow, weights, weights_left
 from ampnb.instruments.hunt import Hunter, NonFinite
 from ampnb.instruments.memory import MemoryMeter
-from ampnb.modes import PrecisionMode, get_mode
+from ampnb.modes import PrecisionMode
 from ampnb.precision import Precision
 from ampnb.putback import seed
 from ampnb.start import Start
@@ -122,15 +122,6 @@ def _copy(setup: Setup, cand: Candidate) -> tuple[nn.Module, torch.optim.Optimiz
     return net, opt
 
 
-def bound(cand: Candidate, device: str, scale: float | None = None) -> Precision:
-    """The candidate's mode on the device with a fresh GradScaler where the mode uses one (a
-    run's own: every run starts from the snapshot), starting at `scale` when given."""
-    scaler = None
-    if scale is not None and cand.mode.uses_scaler:
-        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=scale)
-    return Precision.of(cand.mode, device=device, scaler=scaler)
-
-
 def _grads(net: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The gradients the optimizer sees (an APEX master's, where there is one)."""
     for name, p in net.named_parameters():
@@ -191,7 +182,7 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
     alone in the `local` candidates). `plain` more steps, timed, follow on the same warm copy;
     `scale`: a GradScaler's starting scale (the one the headline's step settled at)."""
     net, opt = _copy(setup, cand)
-    p = bound(cand, setup.device, scale)
+    p = cand.bound(scale)
     # the reference's weights before its step are the snapshot's (on disk): nothing to copy
     before = weights(net) if ref is not None and narrow(cand.mode) else {}
     rec = Recorder(net, setup.device, setup.spill() if reference else None,
@@ -200,7 +191,7 @@ def measure(setup: Setup, cand: Candidate, keep: tuple[str, ...] = (), reference
                    setup.spill() if reference else None)
     t0 = time.perf_counter()
     try:
-        with _keep(net, keep), cand.context(setup.device), MemoryMeter(setup.device) as meter:
+        with _keep(net, keep), cand.context(), MemoryMeter(setup.device) as meter:
             out = _step(net, opt, setup, p, grads)
         sync(setup.device)
     finally:
@@ -250,13 +241,14 @@ def local_errors(setup: Setup, cands: Sequence[Candidate]) -> dict[str, dict[str
     candidate's step was finite but out of tolerance (its islands come from these)."""
     from ampnb.diagnosis.candidates import REFERENCE, candidate
 
-    net, _ = _copy(setup, candidate(REFERENCE, setup.device))
+    reference = candidate(REFERENCE, setup.device)
+    net, _ = _copy(setup, reference)
     rec = Recorder(net, setup.device, None, None, cands)
     seed(setup.seed, setup.device)
     try:
         with torch.no_grad():
             if setup.step is None:
-                forward_loss(get_mode(REFERENCE), net, setup.batch, setup.loss_fn, setup.device)
+                forward_loss(reference.bound(), net, setup.batch, setup.loss_fn)
             else:
                 with torch.enable_grad():  # a cell's code may call backward itself
                     setup.step(net)
@@ -268,8 +260,8 @@ def local_errors(setup: Setup, cands: Sequence[Candidate]) -> dict[str, dict[str
 def hunt(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float | None) -> NonFinite:
     """The same step again under the non-finite hunter: the first op that made inf/NaN."""
     net, opt = _copy(setup, cand)
-    with _keep(net, keep), cand.context(setup.device), Hunter() as hunter:
-        _step(net, opt, setup, bound(cand, setup.device, scale))
+    with _keep(net, keep), cand.context(), Hunter() as hunter:
+        _step(net, opt, setup, cand.bound(scale))
     found = hunter.report()
     return NonFinite(False, ops_checked=found.ops_checked) if found.op in ALLOCATING else found
 
@@ -280,8 +272,8 @@ def _step_at(setup: Setup, cand: Candidate, keep: tuple[str, ...], scale: float,
     net, opt = _copy(setup, cand)
     before = weights(net) if ref is not None and narrow(cand.mode) else {}
     grads = _Grads(net, None if ref is None else ref.grads)
-    with _keep(net, keep), cand.context(setup.device):
-        _step(net, opt, setup, bound(cand, setup.device, scale), grads)
+    with _keep(net, keep), cand.context():
+        _step(net, opt, setup, cand.bound(scale), grads)
     return grads, weights_left(net, opt, before, ref)
 
 
@@ -326,7 +318,7 @@ def time_steps(setup: Setup, runs: Sequence[tuple[Candidate, float | None, tuple
         key = "fp32" if keeps_model(cand) else cand.name
         if key not in copies:
             copies[key] = _copy(setup, cand)
-        steppers.append((*copies[key], bound(cand, setup.device, scale)))
+        steppers.append((*copies[key], cand.bound(scale)))
     times: list[list[float]] = [[] for _ in runs]
     for i in range(warmup + max((n for *_, n in runs), default=0)):
         for (cand, _, keep, n), (net, opt, p), found in zip(runs, steppers, times):
@@ -339,7 +331,7 @@ def time_steps(setup: Setup, runs: Sequence[tuple[Candidate, float | None, tuple
 def _timed(setup: Setup, cand: Candidate, net: nn.Module, opt: torch.optim.Optimizer,
            p: Precision, found: list[float]) -> None:
     """One step of one run in its mode's context (autocast is global: entered per step)."""
-    with cand.context(setup.device):
+    with cand.context():
         sync(setup.device)
         t0 = time.perf_counter()
         _step(net, opt, setup, p)

@@ -32,7 +32,7 @@ from ampnb._tree import tensors
 from ampnb.batch import Batch, as_batch
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
 from ampnb.diagnosis.errors import Err, compare, flat, rel
-from ampnb.diagnosis.run import Setup, _copy, _keep, bound
+from ampnb.diagnosis.run import Setup, _copy, _keep
 from ampnb.diagnosis.tolerance import Tolerance
 from ampnb.diagnosis.weights import eps_causes
 from ampnb.putback import seed
@@ -228,7 +228,7 @@ def _run(setup: Setup, cand: Candidate, batches: list[Batch], lrs: tuple[float, 
     a known cause of inf/NaN)."""
     net, opt = _copy(setup, cand)
     _set_lrs(opt, lrs)
-    p = bound(cand, setup.device)
+    p = cand.bound()
     ids = {id(p): n for n, p in net.named_parameters()}
     names = [ids.get(id(p), f"param {i}") for i, p in enumerate(_positions(opt))]
     watch = _Shadow(opt, names) if shadow else None
@@ -237,7 +237,7 @@ def _run(setup: Setup, cand: Candidate, batches: list[Batch], lrs: tuple[float, 
     with _keep(net, keep):
         for i, b in enumerate(batches):
             seed(setup.seed + i, setup.device)  # step i draws the same dropout masks in each run
-            with cand.context(setup.device):
+            with cand.context():
                 out = p.step(model, opt, b, setup.loss_fn,
                              before_update=watch and watch.before_update)
             if watch is not None:
@@ -351,8 +351,8 @@ def _forward(setup: Setup, cand: Candidate, keep: tuple[str, ...]) -> tuple[torc
     net.eval()  # inference: dropout off, batch norm on its running statistics
     model: Any = net if setup.step is None else functools.partial(setup.step, net)
     seed(setup.seed, setup.device)
-    with torch.no_grad(), _keep(net, keep), cand.context(setup.device):
-        raw, loss = forward_loss(cand.mode, model, setup.batch, setup.loss_fn, setup.device)
+    with torch.no_grad(), _keep(net, keep), cand.context():
+        raw, loss = forward_loss(cand.bound(), model, setup.batch, setup.loss_fn)
     return flat([t for t in tensors(raw) if t.is_floating_point()]), float(loss.float())
 
 

@@ -25,12 +25,12 @@ def _dtype_rows(rank: int, world_size: int, device: torch.device, modes: tuple[s
     """Per mode: parameter dtype, forward output dtype, and the dtype DDP all-reduced in."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from ampnb.modes import get_mode
+    from ampnb.precision import Precision
 
     rows = []
     for name in modes:
-        mode = get_mode(name)
-        net = _ddp(mode.convert_module(_demo.model()), device)
+        p = Precision.of(name, device=device)  # the mode on this rank's device
+        net = _ddp(p.convert_module(_demo.model()), device)
         seen: list[torch.dtype] = []
 
         def hook(state, bucket, seen=seen):  # no annotations: DDP checks for dist.GradBucket
@@ -38,8 +38,8 @@ def _dtype_rows(rank: int, world_size: int, device: torch.device, modes: tuple[s
             return default_hooks.allreduce_hook(None, bucket)
 
         net.register_comm_hook(None, hook)
-        x, y = (mode.convert_input(t.to(device)) for t in _demo.shard(_demo.batches(1)[0], rank, world_size))
-        with mode.forward_context(device.type):
+        x, y = (p.convert_input(t.to(device)) for t in _demo.shard(_demo.batches(1)[0], rank, world_size))
+        with p.forward_context():
             out = net(x)
             loss = nn.functional.mse_loss(out.float(), y.float())
         loss.backward()
@@ -75,12 +75,12 @@ def ddp_dtypes(nproc: int = 2, modes: tuple[str, ...] = MODES, device: str = "cp
 def _scaler_rows(rank: int, world_size: int, device: torch.device, steps: int, inject_step: int,
                  inject_rank: int) -> list[tuple]:
     """16-mixed DDP with a GradScaler; an inf in one rank's input at one step."""
-    from ampnb.modes import get_mode
+    from ampnb.precision import Precision
 
-    mode = get_mode("16-mixed")
+    p = Precision.of("16-mixed", device=device)  # its GradScaler: torch's recipe, spelled out below
     net = _ddp(_demo.model(), device)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    scaler = mode.make_scaler(device.type)
+    scaler = p.scaler
     rows = []
     for step, batch in enumerate(_demo.batches(steps)):
         x, y = (t.to(device) for t in _demo.shard(batch, rank, world_size))
@@ -88,7 +88,7 @@ def _scaler_rows(rank: int, world_size: int, device: torch.device, steps: int, i
             x = x.clone()
             x[0, 0] = math.inf
         before = [p.detach().clone() for p in net.parameters()]
-        with mode.forward_context(device.type):
+        with p.forward_context():
             loss = nn.functional.mse_loss(net(x).float(), y)
         scaler.scale(loss).backward()  # DDP all-reduces the scaled gradients here
         finite = all(bool(torch.isfinite(p.grad).all()) for p in net.parameters())
