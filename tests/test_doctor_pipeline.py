@@ -68,7 +68,7 @@ def test_numpy_masks_are_drawn_alike_and_the_users_numpy_state_is_kept():
 def _native(modes, device):
     """Candidates as on a CPU with fp16 units (AMX): every mode counted native."""
     found, skipped = candidates(modes, device)
-    return [c if c.name == "32-true" else c.__class__(c.name, c.mode, c.tf32, True, "native",
+    return [c if c.name == "32-true" else c.__class__(c.name, c.mode, c.device, c.tf32, True, "native",
                                                       c.fp16_kernels) for c in found], skipped
 
 
