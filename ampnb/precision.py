@@ -19,6 +19,7 @@ from torch import nn
 
 from ampnb.batch import as_batch
 from ampnb.device import place_model
+from ampnb.fp16_kernels import Fp16Kernels
 from ampnb.modes import PrecisionMode, get_mode
 from ampnb.step import StepOutcome, train_step
 
@@ -68,7 +69,8 @@ class Precision:
         """The mode's forward context on its device (autocast for the mixed modes)."""
         return self.mode.forward_context(self.device)
 
-    def kernel_context(self, *, fp16_kernels: Any = None) -> contextlib.AbstractContextManager:
+    def kernel_context(self, *, fp16_kernels: str | Fp16Kernels | None = None
+                       ) -> contextlib.AbstractContextManager:
         """The mode's products on its device for a whole step (fp16 kernels on a CPU; None:
         the process-wide setting)."""
         return self.mode.kernel_context(self.device, fp16_kernels)
