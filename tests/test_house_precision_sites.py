@@ -258,3 +258,38 @@ def test_precision_of_states_no_loss_scaling_and_still_refuses_a_disabled_scaler
     with pytest.raises(ValueError, match="loss_scaling=False"):
         Precision.of("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"),
                      loss_scaling=False)
+
+
+def _first_parameter_devices(tree: ast.AST) -> list[int]:
+    """Lines that read a device off a model's first parameter (`next(...parameters()).device`,
+    or a name bound to that first parameter and then asked for `.device`)."""
+    def first(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "next" and "parameters()" in ast.unparse(node))
+
+    bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and first(n.value)
+             for t in n.targets if isinstance(t, ast.Name)}
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr == "device"
+            and (first(n.value) or isinstance(n.value, ast.Name) and n.value.id in bound)]
+
+
+def test_the_device_rule_sees_a_first_parameters_device():
+    seen = _first_parameter_devices(ast.parse(
+        "def f(m):\n    a = next(m.parameters()).device\n"
+        "    p = next(iter(m.parameters()), None)\n    return p.device\n"))
+    assert seen == [2, 4]
+
+
+# `device` places; the rooms below it (the modes and the FP8 layers they swap in, which
+# tests/test_import.py keeps from importing `device`) convert each layer where its weights are.
+_BELOW_PLACEMENT = ("device/", "modes/", "fp8/")
+
+
+def test_no_runner_takes_its_device_from_a_first_parameter():
+    """Placement is one function: `device.place_model` (a model whose first parameter is on meta,
+    or that has buffers only, runs where it says)."""
+    found = [f"{p.relative_to(ROOT).as_posix()}:{line}" for p in sorted(ROOT.rglob("*.py"))
+             if not p.relative_to(ROOT).as_posix().startswith(_BELOW_PLACEMENT)
+             for line in _first_parameter_devices(ast.parse(p.read_text()))]
+    assert found == []

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ampnb.batch import as_batch
-from ampnb.device import get_device, support_table
+from ampnb.device import get_device, place_model, support_table
 from ampnb.diagnosis.candidates import candidates
 from ampnb.diagnosis.failures import expected
 from ampnb.diagnosis.profile import Profile, profile_run
@@ -56,7 +56,7 @@ def profile_step(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | Non
 
     check_model(model, optimizer, 1)
     check_options(loss_fn, device, modes, seed)
-    dev = get_device(next(model.parameters()).device if device is None else device).name
+    dev = get_device(place_model(model, device).device).name  # as the doctor places it
     cands, _ = candidates(modes, dev)
     data = as_batch(batch, loss_fn).to(dev) if step is None else as_batch(())
     found = []

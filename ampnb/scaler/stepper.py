@@ -13,6 +13,7 @@ import torch
 
 from ampnb._interrupt import Guard, deferred
 from ampnb.batch import as_batch
+from ampnb.device.placement import place_model
 from ampnb.display import Table
 from ampnb.modes import PrecisionMode, get_mode
 from ampnb.precision import Precision
@@ -29,21 +30,17 @@ _KEEP_STAGES = 10_000
 
 def _resolve_device(model: torch.nn.Module, mode: Any,
                     device: str | torch.device | None) -> torch.device:
-    first = next(iter(model.parameters()), None)
-    if first is None:
+    """Where the model's parameters are (`place_model`: a stated device must agree)."""
+    if next(iter(model.parameters()), None) is None:
         raise ValueError("model has no parameters; ScalerStepper needs a model with parameters.")
-    if device is None:
-        return first.device
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r} is not a device; allowed: None (the model's), "
-                         f"'cpu' or 'cuda'.") from None
-    mode.check(dev)  # names missing hardware (e.g. no CUDA here) and what to use instead
-    if dev.type != first.device.type:
-        raise ValueError(f"device={str(device)!r} but the model is on {first.device}; "
-                         f"allowed: the model's device (move the model first).")
-    return first.device
+    if device is not None:
+        try:
+            stated = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device={device!r} is not a device; allowed: None (the model's), "
+                             f"'cpu' or 'cuda'.") from None
+        mode.check(stated)  # names missing hardware (e.g. no CUDA here) and what to use instead
+    return torch.device(place_model(model, device).device)
 
 
 def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -111,7 +111,7 @@ class Workbench(TableView):
         self._initial = (Master.take(model, optimizer), chosen, dev, bool(tf32))
         self._plain = (model, module_links(model))  # the module tree before any conversion
         # The model as it came, described as a mode: what an interrupted start rolls back to.
-        here = next(model.parameters()).device
+        here = dev  # where place_model found the model's parameters
         self._mode, self._device, self._tf32 = described, here, bool(tf32)
         self._master, self._steps_here, self._cursor = self._initial[0], 0, 0
         self.scaler: torch.amp.GradScaler | None = None
