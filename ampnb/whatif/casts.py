@@ -68,23 +68,25 @@ def _scaled(f: FloatFormat, scale: torch.Tensor, b: Blocks, out: torch.Tensor
     """x * scale (one per block), saturated into f, divided back. Scaled to amax, a finite
     tensor never overflows (its amax lands on f's max, a rounding below the threshold)."""
     scaled = torch.mul(b.x, scale, out=out)
-    over = None if b.finite else _past_max(b, scaled, f) * (~torch.isfinite(b.tensor_amax))[b.tensor]
+    over = None if b.finite else _past_max(b, scaled, f) * b.per_block(~torch.isfinite(b.tensor_amax))
     scaled.clamp_(-f.max, f.max)
     return round_elements(scaled, f, b.work.view(torch.int32)).div_(scale), over
 
 
 def _tensorwise(f: FloatFormat) -> CastFn:
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
-        return _scaled(f, amax_to_scale(b.tensor_amax, f)[b.tensor].unsqueeze(1), b, out)[1]
+        return _scaled(f, b.per_block(amax_to_scale(b.tensor_amax, f)).unsqueeze(1), b, out)[1]
     return cast
 
 
 def _rowwise(f: FloatFormat) -> CastFn:
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
-        row_amax = torch.segment_reduce(b.amax32.view(-1), "max", lengths=b.row_blocks)
+        rows = b.row_blocks()
+        row_amax = torch.segment_reduce(b.amax32.view(-1), "max", lengths=rows, unsafe=True)
         scale = (f.max / row_amax.double().clamp(min=EPS)).float()
         scale = torch.exp2(torch.floor(torch.log2(scale)))  # torchao's rowwise recipe
-        return _scaled(f, scale.repeat_interleave(b.row_blocks).unsqueeze(1), b, out)[1]
+        return _scaled(f, scale.repeat_interleave(rows, output_size=b.x.shape[0]).unsqueeze(1), b,
+                       out)[1]
     return cast
 
 
@@ -94,7 +96,7 @@ def _nvfp4_scales(b: Blocks) -> torch.Tensor:
     if not b.finite:
         amax = torch.stack([b.finite_amax(t) if not math.isfinite(a) else amax[t]
                             for t, a in enumerate(amax.tolist())])
-    return nvfp4_scale_of(amax)[b.tensor].view(-1, 1, 1)
+    return b.per_block(nvfp4_scale_of(amax)).view(-1, 1, 1)
 
 
 def _block(name: str) -> CastFn:
