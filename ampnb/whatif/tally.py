@@ -16,12 +16,11 @@ def block_figures(b: Blocks, casts: tuple[Cast, ...], sums: torch.Tensor) -> lis
     """Per tensor [|x|^2, zeros, then per format |x - q(x)|^2, zeros, past max] (float64 sums).
 
     Each block's sums are taken in fp32 (32 values: a matrix-vector product, faster than a
-    reduction along a short axis on a CPU) into `sums` (2 + 3 F rows, nb columns at least),
-    then each tensor's. The casts write into b.out and use b.work as scratch.
+    reduction along a short axis on a CPU) into `sums` (2 + 3 F rows, nb columns), then each
+    tensor's. The casts write into b.out and use b.work as scratch.
     """
     x, w, out = b.x, b.work, b.out
     ones = b.ones
-    sums = sums[:, :x.shape[0]]
     torch.mv(torch.mul(x, x, out=w), ones, out=sums[0])
     torch.mv(torch.eq(x, 0, out=w), ones, out=sums[1])
     for i, c in enumerate(casts):
@@ -56,7 +55,6 @@ class Tally:
         self.pending = Pending(bound)
         self.keys: list[tuple[Key, int]] = []
         self.sums: dict[Key, tuple[list[float], int] | None] = {}
-        self.scratch: torch.Tensor | None = None  # per-block sums, kept across flushes
 
     def add(self, module: str, tensor: str, x: torch.Tensor) -> None:
         """Queue x (fp32, rows on its last axis) for rounding into every format."""
@@ -89,10 +87,9 @@ class Tally:
         if not self.keys:
             return
         b = self.pending.blocks()
-        size = (2 + 3 * len(self.casts), self.pending.data.numel() // BLOCK)
-        if self.scratch is None or self.scratch.shape[1] < size[1] or self.scratch.device != b.x.device:
-            self.scratch = torch.empty(size, device=b.x.device)
-        for (key, n), row in zip(self.keys, block_figures(b, self.casts, self.scratch)):
+        # Not kept between flushes (it would add to the peak memory); every row gets written.
+        sums = torch.empty(2 + 3 * len(self.casts), b.x.shape[0], device=b.x.device)
+        for (key, n), row in zip(self.keys, block_figures(b, self.casts, sums)):
             self._add(key, row, n)
         self.pending.clear()
         self.keys = []
