@@ -20,26 +20,32 @@ def block_figures(b: Blocks, casts: tuple[Cast, ...], sums: torch.Tensor) -> lis
     tensor's. The casts write into b.out and use b.work as scratch.
     """
     x, w, out = b.x, b.work, b.out
-    ones = b.ones
-    torch.mv(torch.mul(x, x, out=w), ones, out=sums[0])
-    torch.mv(torch.eq(x, 0, out=w), ones, out=sums[1])
+    ones, zero = b.ones, torch.zeros(())  # a 0-dim tensor: no scalar wrapped per call
+    rows = sums.unbind(0)
+    torch.mv(torch.mul(x, x, out=w), ones, out=rows[0])
+    torch.mv(torch.eq(x, zero, out=w), ones, out=rows[1])
+    none = []  # formats with no value past the max: their count row is left unwritten
     for i, c in enumerate(casts):
         over = c.fn(b, out)
         for pad in b.padding(out):
             pad.zero_()
         # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
-        torch.mv(torch.eq(out, 0, out=w), ones, out=sums[3 + 3 * i])
+        torch.mv(torch.eq(out, zero, out=w), ones, out=rows[3 + 3 * i])
         # (q - x)^2 in one pass (bit for bit (q - x).square()), summed per block.
-        torch.mv(torch.ops.aten.mse_loss.out(out, x, 0, out=w), ones, out=sums[2 + 3 * i])
+        torch.mv(torch.ops.aten.mse_loss.out(out, x, 0, out=w), ones, out=rows[2 + 3 * i])
         if over is None:
-            sums[4 + 3 * i].zero_()
+            none.append(4 + 3 * i)
         else:
-            sums[4 + 3 * i].copy_(over)
+            rows[4 + 3 * i].copy_(over)
     ends = (*b.starts[1:], x.shape[0])
     # fp32 sums over a piece (as accurate as the one-tensor fp32 norms they replace; counts
     # exact below 2**24 values, float64 past that), added up across pieces in float64.
-    return torch.stack([sums[:, s:e].sum(1, dtype=torch.float64 if (e - s) * BLOCK >= 2**24 else None)
-                        for s, e in zip(b.starts, ends)]).double().tolist()
+    per_tensor = torch.stack([sums[:, s:e].sum(1, dtype=torch.float64 if (e - s) * BLOCK >= 2**24 else None)
+                              for s, e in zip(b.starts, ends)]).double().tolist()
+    for row in per_tensor:
+        for k in none:
+            row[k] = 0.0
+    return per_tensor
 
 
 class Tally:
