@@ -248,7 +248,8 @@ def _nvfp4_scales(amax: torch.Tensor, f: BlockFormat, tensor_scale: torch.Tensor
     what the rounded elements are multiplied by)."""
     e4m3 = f.scale
     block_scale = (amax / f.element.max / tensor_scale).clamp(e4m3.smallest_normal, e4m3.max)
-    block_scale = block_scale.to(e4m3.torch_dtype).float()
+    block_scale = round_elements(block_scale, e4m3)  # = .to(float8_e4m3fn).float(), without
+    # torch's per-value fp8 conversion (several times slower on a CPU)
     return (1.0 / tensor_scale) / block_scale, tensor_scale * block_scale
 
 
