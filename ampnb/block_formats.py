@@ -233,10 +233,10 @@ def _mx_scales(amax: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torch.
     flushes the rest of its block.
     """
     # The biased exponent of 2**(floor(log2 amax) - emax_elem), clamped to e8m0's 0..255.
-    biased = (amax.view(torch.int32).bitwise_right_shift(23).bitwise_and_(0xFF)
-              .sub_(f.element.max_exponent).clamp_(0, 255))
-    divide_by = biased.bitwise_left_shift(23).view(torch.float32).clamp(min=2.0**-126)
+    # (An amax has no sign bit: the exponent is its bits shifted.)
+    biased = amax.view(torch.int32).bitwise_right_shift(23).sub_(f.element.max_exponent).clamp_(0, 255)
     scale = biased.bitwise_left_shift(23).view(torch.float32)  # the e8m0 value, exactly
+    divide_by = scale.clamp(min=2.0**-126)
     scale = torch.where(biased == 0, 2.0**-127, scale)  # e8m0's lowest is an fp32 subnormal
     return divide_by, torch.where(torch.isnan(amax), math.nan, scale)
 
