@@ -20,7 +20,7 @@ def block_figures(b: Blocks, casts: tuple[Cast, ...], sums: torch.Tensor) -> lis
     tensor's. The casts write into b.out and use b.work as scratch.
     """
     x, w, out = b.x, b.work, b.out
-    ones, zero = b.ones, torch.zeros(())  # a 0-dim tensor: no scalar wrapped per call
+    ones, zero = b.ones, x.new_zeros(())  # a 0-dim tensor: no scalar wrapped per call
     rows = sums.unbind(0)
     torch.mv(torch.mul(x, x, out=w), ones, out=rows[0])
     torch.mv(torch.eq(x, zero, out=w), ones, out=rows[1])
