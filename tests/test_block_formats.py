@@ -244,6 +244,58 @@ def test_element_rounding_is_torchs_fp8_cast(name, dtype):
     assert same(round_elements(v.clone(), f), v.to(dtype).float())
 
 
+@pytest.mark.parametrize("name, dtype", [("fp8_e4m3", torch.float8_e4m3fn),
+                                         ("fp8_e5m2", torch.float8_e5m2), ("fp4_e2m1", None)])
+def test_unsigned_zero_rounding_is_the_cast_but_for_the_sign_of_zero(name, dtype):
+    """round_elements(signed_zero=False) (what_if's: one pass fewer) on random finite fp32 bit
+    patterns within the max and on ties: torch's FP8 cast (e2m1: quantize), except that every
+    zero is +0 (what_if's figures cannot tell -0 from +0)."""
+    from ampnb.block_formats import round_elements
+
+    f = FORMATS[name]
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-2**31, 2**31 - 1, (2_000_000,), generator=g, dtype=torch.int64)
+    v = bits.to(torch.int32).view(torch.float32)
+    v = v[v.abs() <= f.max]  # finite: the casts clamp first
+    k = torch.arange(-40, 40, dtype=torch.float32)
+    ties = (k + 0.5) * f.smallest_subnormal
+    v = torch.cat([v, ties, -ties, (k.abs() + 0.5) * 2.0**-3, torch.linspace(-f.max, f.max, 20001),
+                   torch.tensor([f.max, -f.max, 0.0, -0.0])])
+    v = v[v.abs() <= f.max]
+    want = v.to(dtype).float() if dtype is not None else ampnb.quantize(v, name)
+    got = round_elements(v.clone(), f, signed_zero=False)
+    assert torch.equal(got, want)  # == : -0 equals +0
+    assert not bool(torch.signbit(got[got == 0]).any())
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"])
+def test_finite_cast_blocks_is_the_general_one(name):
+    """cast_blocks(finite=True) (what_if's buffer: no inf or NaN; the clamp finds the clamped
+    values, rounding by round_elements(signed_zero=False)) gives the general path's values (==:
+    -0 may come back +0) and the same count of clamped values per block."""
+    from ampnb.block_formats import cast_blocks, nvfp4_tensor_scale
+
+    f = BLOCK_FORMATS[name]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 64, generator=g) * torch.logspace(-30, 30, 64)
+    x[::7, 5] = 0.0
+    x[3] = 1e-41  # fp32 subnormals: the halved-block case of the MX reference
+    blocks = x.view(300, -1, f.block_size)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = None if f.tensor_scale is None else nvfp4_tensor_scale(x, f)
+    ones = torch.ones(f.block_size)
+
+    def per_block(mask):
+        return torch.matmul(mask, ones)
+
+    want, want_over = cast_blocks(blocks, f, amax, scale, count=per_block)
+    work = torch.empty_like(blocks)
+    got, over = cast_blocks(blocks, f, amax, scale, torch.empty_like(blocks),
+                            (work, work.view(torch.int32)), per_block, finite=True)
+    assert torch.equal(got, want) and int(over.sum()) > 0  # some values were clamped
+    assert torch.equal(over, want_over)
+
+
 def test_nvfp4_smallest_nonzero_is_what_the_cast_reaches():
     """2^-7 = e2m1's 0.5 times e4m3's smallest normal scale 2^-6 (torchao's clamp): kept; half
     of it is a tie to zero; checked against torchao's cast too."""

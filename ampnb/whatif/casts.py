@@ -66,25 +66,31 @@ def _plain(f: FloatFormat) -> CastFn:
 def _scaled(f: FloatFormat, scale: torch.Tensor, b: Blocks, out: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x * scale (one per block), saturated into f, divided back. Scaled to amax, a finite
-    tensor never overflows (its amax lands on f's max, a rounding below the threshold)."""
+    tensor never overflows: its amax lands on f's max, within a rounding of it, so far below
+    the midpoint above max that rounding gives max itself, as the clamp would (no clamp then)."""
     scaled = torch.mul(b.x, scale, out=out)
-    over = None if b.finite else _past_max(b, scaled, f) * (~torch.isfinite(b.tensor_amax))[b.tensor]
-    scaled.clamp_(-f.max, f.max)
-    return round_elements(scaled, f, b.work.view(torch.int32)).div_(scale), over
+    over = None
+    if not b.finite:
+        over = _past_max(b, scaled, f) * b.per_block(~torch.isfinite(b.tensor_amax))
+        scaled.clamp_(-f.max, f.max)
+    # Finite: no -0 kept, which no figure can tell from +0 (one pass fewer).
+    return round_elements(scaled, f, b.work.view(torch.int32), not b.finite).div_(scale), over
 
 
 def _tensorwise(f: FloatFormat) -> CastFn:
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
-        return _scaled(f, amax_to_scale(b.tensor_amax, f)[b.tensor].unsqueeze(1), b, out)[1]
+        return _scaled(f, b.per_block(amax_to_scale(b.tensor_amax, f)).unsqueeze(1), b, out)[1]
     return cast
 
 
 def _rowwise(f: FloatFormat) -> CastFn:
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
-        row_amax = torch.segment_reduce(b.amax32.view(-1), "max", lengths=b.row_blocks)
+        rows = b.row_blocks()
+        row_amax = torch.segment_reduce(b.amax32.view(-1), "max", lengths=rows, unsafe=True)
         scale = (f.max / row_amax.double().clamp(min=EPS)).float()
         scale = torch.exp2(torch.floor(torch.log2(scale)))  # torchao's rowwise recipe
-        return _scaled(f, scale.repeat_interleave(b.row_blocks).unsqueeze(1), b, out)[1]
+        return _scaled(f, scale.repeat_interleave(rows, output_size=b.x.shape[0]).unsqueeze(1), b,
+                       out)[1]
     return cast
 
 
@@ -94,7 +100,7 @@ def _nvfp4_scales(b: Blocks) -> torch.Tensor:
     if not b.finite:
         amax = torch.stack([b.finite_amax(t) if not math.isfinite(a) else amax[t]
                             for t, a in enumerate(amax.tolist())])
-    return nvfp4_scale_of(amax)[b.tensor].view(-1, 1, 1)
+    return b.per_block(nvfp4_scale_of(amax)).view(-1, 1, 1)
 
 
 def _block(name: str) -> CastFn:
@@ -104,10 +110,11 @@ def _block(name: str) -> CastFn:
         def per_block(mask: torch.Tensor) -> torch.Tensor:
             return torch.mv(mask.view(b.x.shape), b.ones)
         if f.tensor_scale is None:
-            return cast_blocks(b.x, f, b.amax32, None, out, b.scratch(*b.x.shape), per_block)[1]
+            return cast_blocks(b.x, f, b.amax32, None, out, b.scratch(*b.x.shape), per_block,
+                               b.finite)[1]
         shape = (-1, b.x.shape[1] // f.block_size, f.block_size)  # NVFP4: half blocks
         return cast_blocks(b.x.view(shape), f, b.amax16, _nvfp4_scales(b), out.view(shape),
-                           b.scratch(*shape), per_block)[1]
+                           b.scratch(*shape), per_block, b.finite)[1]
     return cast
 
 

@@ -34,8 +34,7 @@ class Blocks:
     x: torch.Tensor  # (nb, 32) fp32
     amax16: torch.Tensor  # (nb, 2, 1): each half block's largest magnitude (NaN if it holds one)
     amax32: torch.Tensor  # (nb, 1)
-    tensor: torch.Tensor  # (nb,) which tensor each block belongs to
-    row_blocks: torch.Tensor  # (R,) blocks per row, rows in order
+    tensor_blocks: torch.Tensor  # (T,) how many blocks each tensor has
     tensor_amax: torch.Tensor  # (T,) each tensor's amax (of the whole tensor, when split)
     top: float  # the largest of them (NaN if any is): one sync, shared by the casts
     starts: tuple[int, ...]  # each tensor's first block
@@ -50,6 +49,17 @@ class Blocks:
         """Whether no tensor holds an inf or a NaN."""
         return math.isfinite(self.top)
 
+    def per_block(self, v: torch.Tensor) -> torch.Tensor:
+        """One value per tensor (T,) repeated for each of its blocks (nb,)."""
+        return torch.repeat_interleave(v, self.tensor_blocks, output_size=self.x.shape[0])
+
+    def row_blocks(self) -> torch.Tensor:
+        """(R,) blocks per row, rows in order."""
+        per_row = [p // BLOCK for _, p in self.shapes]
+        rows = [s.numel() // s[-1] for s, _ in self.shapes]
+        return torch.repeat_interleave(torch.tensor(per_row, device=self.x.device),
+                                       torch.tensor(rows, device=self.x.device), output_size=sum(rows))
+
     def scratch(self, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The scratch shaped as the blocks (`shape`), read as float32 and as int32 (one memory)."""
         return self.work.view(*shape), self.work.view(torch.int32).view(*shape)
@@ -63,8 +73,10 @@ class Blocks:
     def padding(self, q: torch.Tensor) -> list[torch.Tensor]:
         """The padding in q (shaped as x) of each tensor whose amax is inf or NaN: the one case
         where a cast turns a padded zero into something else (0 * NaN, 0 / 0)."""
+        if self.finite:
+            return []
         ragged = [t for t, (s, p) in enumerate(self.shapes) if p > s[-1]]
-        if not ragged or self.finite:
+        if not ragged:
             return []
         bad = set((~torch.isfinite(self.tensor_amax)).nonzero().flatten().tolist())
         flat = q.reshape(-1)
@@ -78,16 +90,13 @@ class Blocks:
         return self.x[self.starts[t]:end]
 
 
-def _block_amax(a: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """(n, 16) magnitudes -> (n, 1) maxima, as a tree of elementwise maxima: a reduction along
-    a short last axis costs several times more on a CPU. torch.maximum keeps NaN, as amax does.
-    The first level goes into `scratch` (n * 8 elements at least)."""
-    width = a.shape[-1] // 2
-    a = torch.maximum(a[:, :width], a[:, width:], out=scratch[:a.shape[0] * width].view(-1, width))
-    while width > 1:
-        width //= 2
-        a = torch.maximum(a[:, :width], a[:, width:2 * width])
-    return a
+def _block_amax(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """(n, 32) values -> (n, 2, 1): each half block's largest magnitude, NaN where it holds one.
+    |x| is taken into `scratch` and reduced as int32: the bits of a non-negative float order as
+    its value (a NaN, its sign cleared by abs, above inf), and an integer max along a short axis
+    costs a CPU half of what a tree of float maxima does."""
+    a = torch.abs(x, out=scratch).view(torch.int32).view(-1, BLOCK // 2)
+    return a.amax(-1).view(torch.float32).view(-1, 2, 1)
 
 
 def whole(x: torch.Tensor) -> Whole:
@@ -144,30 +153,23 @@ class Pending:
 
     def blocks(self) -> Blocks:
         """The buffer as blocks, with each block's, row's and tensor's amax."""
-        nb, dev = self.used // BLOCK, self.data.device
+        nb = self.used // BLOCK
         x = self.data[:self.used].view(nb, BLOCK)
         work = self.work[:self.used].view(nb, BLOCK)
-        a = torch.abs(x, out=work).view(2 * nb, BLOCK // 2)
-        amax16 = _block_amax(a, self.out).view(nb, 2, 1)
+        amax16 = _block_amax(x, work)
         amax32 = torch.maximum(amax16[:, 0], amax16[:, 1])
-        per_row = [p // BLOCK for _, p in self.shapes]
-        rows = [s.numel() // s[-1] for s, _ in self.shapes]
-        counts = [r * p for r, p in zip(rows, per_row)]
-        tensor_blocks = torch.tensor(counts, device=dev)
-        tensor_amax = torch.segment_reduce(amax32.view(-1), "max", lengths=tensor_blocks)
+        counts = [s.numel() // s[-1] * (p // BLOCK) for s, p in self.shapes]
+        tensor_blocks = torch.tensor(counts, device=x.device)
+        tensor_amax = torch.segment_reduce(amax32.view(-1), "max", lengths=tensor_blocks, unsafe=True)
         for t, w in enumerate(self.whole):
             if w is not None:  # split: the amax of the whole tensor, not of this piece
                 tensor_amax[t] = w.amax
         starts = [0]
         for c in counts[:-1]:
             starts.append(starts[-1] + c)
-        return Blocks(
-            x, amax16, amax32,
-            torch.repeat_interleave(torch.arange(len(counts), device=dev), tensor_blocks),
-            torch.repeat_interleave(torch.tensor(per_row, device=dev), torch.tensor(rows, device=dev)),
-            tensor_amax, float(tensor_amax.max()), tuple(starts), work,
-            self.out[:self.used].view(nb, BLOCK), tuple(self.shapes),
-            tuple(self.whole), self.ones)
+        return Blocks(x, amax16, amax32, tensor_blocks, tensor_amax, float(tensor_amax.max()),
+                      tuple(starts), work, self.out[:self.used].view(nb, BLOCK), tuple(self.shapes),
+                      tuple(self.whole), self.ones)
 
     def unpad(self, flat: torch.Tensor) -> torch.Tensor:
         """The one tensor in the buffer, taken back out of `flat` (a buffer-shaped result)."""

@@ -12,32 +12,40 @@ from ampnb.whatif.result import WhatIfRow, sqnr_db
 Key = tuple[str, str]
 
 
-def block_figures(b: Blocks, casts: tuple[Cast, ...]) -> torch.Tensor:
-    """Per tensor (T, 2 + 3 F) in float64: |x|^2, zeros; per format |x - q(x)|^2, zeros, past max.
+def block_figures(b: Blocks, casts: tuple[Cast, ...], sums: torch.Tensor) -> list[list[float]]:
+    """Per tensor [|x|^2, zeros, then per format |x - q(x)|^2, zeros, past max] (float64 sums).
 
     Each block's sums are taken in fp32 (32 values: a matrix-vector product, faster than a
-    reduction along a short axis on a CPU), then each tensor's. The casts write into b.out and
-    use b.work as scratch.
+    reduction along a short axis on a CPU) into `sums` (2 + 3 F rows, nb columns), then each
+    tensor's. The casts write into b.out and use b.work as scratch.
     """
     x, w, out = b.x, b.work, b.out
-    ones = b.ones
-    sums = torch.zeros(2 + 3 * len(casts), x.shape[0], device=x.device)
-    torch.mv(torch.mul(x, x, out=w), ones, out=sums[0])
-    torch.mv(torch.eq(x, 0, out=w), ones, out=sums[1])
+    ones, zero = b.ones, x.new_zeros(())  # a 0-dim tensor: no scalar wrapped per call
+    rows = sums.unbind(0)
+    torch.mv(torch.mul(x, x, out=w), ones, out=rows[0])
+    torch.mv(torch.eq(x, zero, out=w), ones, out=rows[1])
+    none = []  # formats with no value past the max: their count row is left unwritten
     for i, c in enumerate(casts):
         over = c.fn(b, out)
         for pad in b.padding(out):
             pad.zero_()
         # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
-        torch.mv(torch.eq(out, 0, out=w), ones, out=sums[3 + 3 * i])
-        torch.mv(out.sub_(x).square_(), ones, out=sums[2 + 3 * i])
-        if over is not None:
-            sums[4 + 3 * i] = over
+        torch.mv(torch.eq(out, zero, out=w), ones, out=rows[3 + 3 * i])
+        # (q - x)^2 in one pass (bit for bit (q - x).square()), summed per block.
+        torch.mv(torch.ops.aten.mse_loss.out(out, x, 0, out=w), ones, out=rows[2 + 3 * i])
+        if over is None:
+            none.append(4 + 3 * i)
+        else:
+            rows[4 + 3 * i].copy_(over)
     ends = (*b.starts[1:], x.shape[0])
     # fp32 sums over a piece (as accurate as the one-tensor fp32 norms they replace; counts
     # exact below 2**24 values, float64 past that), added up across pieces in float64.
-    return torch.stack([sums[:, s:e].sum(1, dtype=torch.float64 if (e - s) * BLOCK >= 2**24 else None)
-                        for s, e in zip(b.starts, ends)]).double()
+    per_tensor = torch.stack([sums[:, s:e].sum(1, dtype=torch.float64 if (e - s) * BLOCK >= 2**24 else None)
+                              for s, e in zip(b.starts, ends)]).double().tolist()
+    for row in per_tensor:
+        for k in none:
+            row[k] = 0.0
+    return per_tensor
 
 
 class Tally:
@@ -52,14 +60,14 @@ class Tally:
         self.casts = casts
         self.pending = Pending(bound)
         self.keys: list[tuple[Key, int]] = []
-        self.sums: dict[Key, tuple[torch.Tensor, int] | None] = {}
+        self.sums: dict[Key, tuple[list[float], int] | None] = {}
 
     def add(self, module: str, tensor: str, x: torch.Tensor) -> None:
         """Queue x (fp32, rows on its last axis) for rounding into every format."""
         key = (module, tensor)
         self.sums.setdefault(key, None)  # rows come in the order the tensors first came
         if x.numel() == 0:
-            self._add(key, torch.zeros(2 + 3 * len(self.casts), dtype=torch.float64), 0)
+            self._add(key, [0.0] * (2 + 3 * len(self.casts)), 0)
             return
         taken: Whole | None = None
         rest: torch.Tensor | None = x
@@ -84,20 +92,22 @@ class Tally:
         """Round every queued tensor into every format and add up their statistics."""
         if not self.keys:
             return
-        figures = block_figures(self.pending.blocks(), self.casts)
-        for (key, n), row in zip(self.keys, figures.cpu()):
+        b = self.pending.blocks()
+        # Not kept between flushes (it would add to the peak memory); every row gets written.
+        sums = torch.empty(2 + 3 * len(self.casts), b.x.shape[0], device=b.x.device)
+        for (key, n), row in zip(self.keys, block_figures(b, self.casts, sums)):
             self._add(key, row, n)
         self.pending.clear()
         self.keys = []
 
-    def _add(self, key: Key, row: torch.Tensor, n: int) -> None:
-        old = self.sums[key]
-        self.sums[key] = (row, n) if old is None else (old[0] + row, old[1] + n)
+    def _add(self, key: Key, row: list[float], n: int) -> None:
+        old = self.sums[key]  # float64 sums, as Python floats
+        self.sums[key] = (row, n) if old is None else ([a + v for a, v in zip(old[0], row)], old[1] + n)
 
     def rows(self) -> tuple[WhatIfRow, ...]:
         out = []
         for (module, tensor), (row, n) in self.sums.items():  # type: ignore[misc]
-            signal, zeros, *per_format = row.tolist()
+            signal, zeros, *per_format = row
             for k, c in enumerate(self.casts):
                 noise, zeros_q, over = per_format[3 * k:3 * k + 3]
                 out.append(WhatIfRow(module, tensor, c.name, sqnr_db(signal, noise),
