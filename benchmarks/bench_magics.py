@@ -1,4 +1,8 @@
-"""`%%amp` in a real InteractiveShell against the same cell written with plain torch.autocast."""
+"""`%%amp` in a real InteractiveShell against the same cell written with plain torch.autocast.
+
+On a CPU a reported row splits the looping cell's extra time by phase (zero_grad, forward + loss,
+backward, optimizer step): this thread's CPU time taken between the cell's own statements.
+"""
 
 from __future__ import annotations
 
@@ -130,11 +134,55 @@ def _loop(ip: Any, mode: str, dtype: torch.dtype, device: str) -> list[Result]:
     }, repeat=LOOP_REPEAT, warmup=1, device=device, clock=clock)
     ratio = times["amp"] / times["hand"]
     per_step = (times["amp"] - times["hand"]) / steps
-    return [Result(f"%%amp {mode} -q cell looping {steps} steps vs the same loop with "
+    rows = [Result(f"%%amp {mode} -q cell looping {steps} steps vs the same loop with "
                    f"torch.autocast (demo gpt, {device}, 1 thread)",
                    f"%%amp {ms(times['amp'])}, torch.autocast loop {ms(times['hand'])}: "
                    f"+{ms(per_step)} a step", ratio, f"<= {OVERHEAD_GOAL:.2f}x",
                    ratio <= OVERHEAD_GOAL)]
+    if clock is time.thread_time:  # phases of an asynchronous GPU step are not its time
+        rows.append(_where(ip, mode, dtype, device))
+    return rows
+
+
+PHASES = ("zero_grad", "forward + loss", "backward", "optimizer step")
+
+
+def _phased(cell: str, steps: int) -> str:
+    """The looped one-step cell with this thread's CPU time taken where each phase starts (one
+    list per step in `_bench_phases`); an autocast block goes with forward + loss."""
+    out = ["_bench_t = [_bench_clock()]"]
+    for line in cell.splitlines():
+        if line.startswith(("x, y", "loss.backward", "opt.step")):
+            out.append("_bench_t.append(_bench_clock())")
+        out.append(line)
+    out += ["_bench_t.append(_bench_clock())", "_bench_phases.append(_bench_t)"]
+    return _looped("\n".join(out) + "\n", steps)
+
+
+def _where(ip: Any, mode: str, dtype: torch.dtype, device: str) -> Result:
+    """Where a %%amp -q loop's extra time goes: each phase's median, %%amp minus torch.autocast."""
+    got: dict[str, list[list[float]]] = {"hand": [], "amp": []}
+    hand = _phased(RECIPE.format(device=device, dtype=str(dtype).removeprefix("torch.")),
+                   LOOP_STEPS)
+    if dtype == torch.float16:
+        hand = ("with ampnb.fp16_kernels.fp16_kernel_context(" + repr(device) + "):\n"
+                + textwrap.indent(hand, "    "))
+    cells = {"hand": hand, "amp": f"%%amp {mode} --device {device} -q\n"
+                                  + _phased(CELL, LOOP_STEPS)}
+    ip.user_ns["_bench_clock"] = time.thread_time
+    for k in range(LOOP_REPEAT // 3 + 1):  # the first round is warm-up
+        for name, cell in cells.items():
+            ip.user_ns["_bench_phases"] = found = []
+            _run(ip, cell)
+            if k:
+                got[name] += [[b - a for a, b in zip(t, t[1:])] for t in found]
+    med = {n: [statistics.median(p[i] for p in v) for i in range(len(PHASES))]
+           for n, v in got.items()}
+    extra = [a - h for a, h in zip(med["amp"], med["hand"])]
+    return Result(f"  where the %%amp {mode} -q loop's extra time goes (phase medians a step)",
+                  ", ".join(f"{n} {'+' if e >= 0 else '-'}{abs(e) * 1e6:.0f} µs"
+                            for n, e in zip(PHASES, extra)),
+                  sum(extra) / sum(med["hand"]), "reported", None)
 
 
 def _hand_times(d: Any, dtype: torch.dtype, device: str) -> dict[str, list[float]]:

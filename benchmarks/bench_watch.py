@@ -3,7 +3,8 @@
 Two copies of a model (same weights) train side by side, one watched for the whole run; their
 steps are timed alternately (which goes first alternates too), so drift hits both alike. The
 ratio is of mean step times: the statistics steps (one in `every`) are part of the cost, and a
-median would hide them; the medians are shown beside it.
+median would hide them; the medians are shown beside it. At every=50 on a CPU a reported row
+splits the watched step's extra time by phase (forward + loss, backward, optimizer step, update).
 """
 
 from __future__ import annotations
@@ -52,18 +53,40 @@ def _world(make: Callable, device: str):
     return model, opt, loss, scaler, label, dtype
 
 
-def _step(world: tuple, device: str) -> None:
-    """One step of nanoGPT's loop: autocast forward + loss, (scaled) backward, step, update."""
+PHASES = ("forward + loss", "backward", "optimizer step", "update + zero_grad")
+
+
+def _step(world: tuple, device: str, clock: Callable[[], float], phases: list) -> None:
+    """One step of nanoGPT's loop: autocast forward + loss, (scaled) backward, step, update;
+    the time of each phase appended to `phases` (one thread on a CPU: each runs here)."""
     model, opt, loss_of, scaler, _, dtype = world
+    t = [clock()]
     with torch.autocast(device, dtype=dtype):
         loss = loss_of(model)
+    t.append(clock())
     (scaler.scale(loss) if scaler else loss).backward()
+    t.append(clock())
     if scaler:
         scaler.step(opt)
-        scaler.update()
     else:
         opt.step()
+    t.append(clock())
+    if scaler:
+        scaler.update()
     opt.zero_grad(set_to_none=True)
+    t.append(clock())
+    phases.append([b - a for a, b in zip(t, t[1:])])
+
+
+def _where(phases: dict[str, list], label: str) -> Result:
+    """Where the watched step's extra time goes: each phase's median, watched minus plain."""
+    extra = [statistics.median(p[k] for p in phases["watch"])
+             - statistics.median(p[k] for p in phases["plain"]) for k in range(len(PHASES))]
+    plain = sum(statistics.median(p[k] for p in phases["plain"]) for k in range(len(PHASES)))
+    return Result(f"  where the watch's extra time goes at every=50 ({label}; phase medians)",
+                  ", ".join(f"{n} {'+' if e >= 0 else '-'}{abs(e) * 1e6:.0f} µs"
+                            for n, e in zip(PHASES, extra)),
+                  sum(extra) / plain, "reported", None)
 
 
 def _kernels(device: str, dtype: torch.dtype) -> Any:
@@ -74,23 +97,24 @@ def _kernels(device: str, dtype: torch.dtype) -> Any:
     return fp16_kernel_context(device) if dtype == torch.float16 else contextlib.nullcontext()
 
 
-def _one(make: Callable, every: int, device: str) -> Result:
+def _one(make: Callable, every: int, device: str) -> list[Result]:
     import ampnb
 
     plain, watched = _world(make, device), _world(make, device)
     clock = time.thread_time if device == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {"plain": [], "watch": []}
+    phases: dict[str, list] = {"plain": [], "watch": []}
     with one_thread(device == "cpu"), _kernels(device, plain[5]), \
             ampnb.watch(watched[0], watched[1], watched[3], every=every) as w:
         for _ in range(WARMUP):
-            _step(plain, device)
-            _step(watched, device)
+            _step(plain, device, clock, [])
+            _step(watched, device, clock, [])
         for k in range(STEPS):
             order = ("plain", "watch") if k % 2 else ("watch", "plain")
             for name in order:
                 world = plain if name == "plain" else watched
                 t0 = clock()
-                _step(world, device)
+                _step(world, device, clock, phases[name])
                 if device != "cpu":
                     torch.cuda.synchronize()
                 times[name].append(clock() - t0)
@@ -100,14 +124,18 @@ def _one(make: Callable, every: int, device: str) -> Result:
     ratio = mean["watch"] / mean["plain"]
     goal = every == 50
     what = "thread CPU time, 1 thread" if device == "cpu" else "wall"
-    return Result(f"watch every={every} vs no watch ({plain[4]}, "
-                  f"{'16-mixed' if plain[3] else 'bf16-mixed'}, {device}, {what}, "
-                  f"{STEPS} steps each, interleaved)",
-                  f"mean step: watch {ms(mean['watch'])}, plain {ms(mean['plain'])}; median "
-                  f"{ms(med['watch'])} vs {ms(med['plain'])}", ratio,
-                  f"<= {GOAL:.2f}x" if goal else "-", ratio <= GOAL if goal else None)
+    rows = [Result(f"watch every={every} vs no watch ({plain[4]}, "
+                   f"{'16-mixed' if plain[3] else 'bf16-mixed'}, {device}, {what}, "
+                   f"{STEPS} steps each, interleaved)",
+                   f"mean step: watch {ms(mean['watch'])}, plain {ms(mean['plain'])}; median "
+                   f"{ms(med['watch'])} vs {ms(med['plain'])}", ratio,
+                   f"<= {GOAL:.2f}x" if goal else "-", ratio <= GOAL if goal else None)]
+    if goal and device == "cpu":  # phases of an asynchronous GPU step are not its time
+        rows.append(_where(phases, plain[4].split(",")[0]))
+    return rows
 
 
 def run() -> list[Result]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return [_one(make, every, device) for make in (_demo_gpt, _zoo_gpt2) for every in EVERY]
+    return [row for make in (_demo_gpt, _zoo_gpt2) for every in EVERY
+            for row in _one(make, every, device)]
