@@ -257,3 +257,25 @@ def test_a_first_step_through_fp16_kernels_is_stopped_at_the_budgets_limit(monke
     # 32-true's first step and the unit's two came first (0.2 s each): 12 plain steps were left
     assert SLEPT.get(torch.float16, 0.0) <= 0.2 * (DEFAULT_STEPS - 3), (SLEPT, r.left_out)
     assert _spent(r) <= DEFAULT_STEPS, (r.budget, r.left_out)
+
+
+@pytest.mark.parametrize("at_once", [1 << 22, 700])
+def test_the_fp16_underflow_note_counts_what_torchs_own_cast_flushes(monkeypatch, at_once):
+    """The range note's fraction of nonzero gradient values that fp16 flushes to zero, counted
+    in runs of tensors (at_once: elements scaled at a time), is what torch's own fp16 cast
+    flushes, with and without the GradScaler's scale; exact zeros are not counted."""
+    from ampnb.diagnosis import evidence
+
+    monkeypatch.setattr(evidence, "SCALED_AT_ONCE", at_once)
+    g = torch.Generator().manual_seed(0)
+    grads = {f"p{i}": torch.randn(n, generator=g) * 2.0 ** torch.randint(-45, 0, (n,), generator=g)
+             for i, n in enumerate((300, 1, 5000, 64, 2000))}
+    grads["p1"].zero_()
+    grads["p4"][::3] = 0.0
+    for scale in (1.0, 2.0**16):
+        flat = torch.cat([t.reshape(-1) for t in grads.values()])
+        nonzero = flat != 0
+        flushed = ((flat * scale).half() == 0) & nonzero
+        want = flushed.sum().item() / nonzero.sum().item()
+        assert 0 < want < 1
+        assert evidence.underflow(grads, scale) == pytest.approx(want, rel=1e-12)
