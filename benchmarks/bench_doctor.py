@@ -9,6 +9,7 @@ among the mixed modes with measured speeds, and within 1.5x the training-only pe
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -87,16 +88,48 @@ def judged_rows(label: str, train: Measurement, take: Callable[[], Measurement],
     return rows
 
 
+SUBSET = "AMPNB_DOCTOR_CASES"
+
+
+def chosen(spec: str | None) -> tuple[list[tuple], bool]:
+    """The set-ups (model, label, thread counts, env) a SUBSET spec names (all where it is None
+    or empty), and whether the demo row runs; ValueError naming an unknown entry."""
+    cases = [(m, label, counts, None) for m, label, counts in CASES]
+    cases += [(m, f"{label} {AVX2_LABEL}", (2,), AVX2) for m, label, _ in CASES]
+    if not spec or not spec.strip():
+        return cases, True
+    wanted = {e.strip() for e in spec.split(",") if e.strip()}
+    known = {m for m, *_ in CASES}
+    names = {f"{m}{tail}" for m in known for tail in ("", ":host", ":avx2")} | {"demo-gpt"}
+    if wanted - names:
+        raise ValueError(f"{SUBSET}={spec!r}: {', '.join(sorted(wanted - names))} not allowed; "
+                         f"allowed: {', '.join(sorted(known))} (optionally :host or :avx2), "
+                         "demo-gpt")
+    keep = [c for c in cases if c[0] in wanted
+            or f"{c[0]}:{'host' if c[3] is None else 'avx2'}" in wanted]
+    return keep, "demo-gpt" in wanted
+
+
 def _failed(name: str, error: Exception) -> Result:
     return Result(name, f"error: {error}", None, "-", False)
+
+
+def _demo() -> Result:
+    """The demo GPT's row: the doctor's wall time there (a step is milliseconds)."""
+    try:
+        demo = measure("doctor", "demo-gpt", 2)
+    except Exception as e:  # noqa: BLE001
+        return _failed("doctor on demo gpt", e)
+    return Result(f"doctor on demo gpt ({demo.params / 1e6:.1f}M params), 2 threads",
+                  f"{demo.seconds:.1f} s wall; recommended {demo.headline}",
+                  demo.seconds, f"<= {DEMO_GOAL:g} s", demo.seconds <= DEMO_GOAL)
 
 
 def run() -> list[Result]:
     from benchmarks.results import machine
 
     results = []
-    cases = [(m, label, counts, None) for m, label, counts in CASES]
-    cases += [(m, f"{label} {AVX2_LABEL}", (2,), AVX2) for m, label, _ in CASES]
+    cases, demo_row = chosen(os.environ.get(SUBSET))
     for model, label, counts, env in cases:
         for n in counts:
             try:
@@ -105,13 +138,8 @@ def run() -> list[Result]:
                                        lambda: measure("doctor", model, n, env=env))  # noqa: B023
             except Exception as e:  # noqa: BLE001 - one failed set-up must not hide the others
                 results.append(_failed(f"doctor on {label}, {_threads(n)}", e))
-    try:
-        demo = measure("doctor", "demo-gpt", 2)
-        results.append(Result(f"doctor on demo gpt ({demo.params / 1e6:.1f}M params), 2 threads",
-                              f"{demo.seconds:.1f} s wall; recommended {demo.headline}",
-                              demo.seconds, f"<= {DEMO_GOAL:g} s", demo.seconds <= DEMO_GOAL))
-    except Exception as e:  # noqa: BLE001
-        results.append(_failed("doctor on demo gpt", e))
+    if demo_row:
+        results.append(_demo())
     # The CPU the ratios were measured on, in the rows themselves (results.py heads the section too).
     return [Result(r.name, f"{r.figure} [{machine().split(',')[0]}]", r.ratio, r.goal, r.ok)
             for r in results]

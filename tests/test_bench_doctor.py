@@ -132,3 +132,17 @@ def test_child_reports_its_threads_and_the_peak_the_kernel_saw(kind, threads):
     assert (got.step_seconds > 0) is (kind == "doctor")
     assert got.step_low <= got.step_seconds <= got.step_high
     assert (got.import_seconds > 0) is (kind == "doctor")
+
+
+def test_a_subset_of_the_set_ups_by_model_and_cpu_class():
+    from benchmarks.bench_doctor import AVX2, CASES, chosen
+
+    every, demo = chosen(None)
+    assert demo and len(every) == 2 * len(CASES) and chosen("  ") == (every, True)
+    some, demo = chosen("convnext:host, gpt2-5M:avx2,clip")
+    assert not demo
+    assert [(m, env is AVX2) for m, _, _, env in some] == [
+        ("convnext", False), ("clip", False), ("gpt2-5M", True), ("clip", True)]
+    assert chosen("demo-gpt") == ([], True)
+    with pytest.raises(ValueError, match="resnet:avx2 not allowed; allowed: .*convnext"):
+        chosen("convnext,resnet:avx2")

@@ -170,3 +170,112 @@ def test_the_fp64_check_is_left_out_when_it_would_pass_the_memory_cap(monkeypatc
     assert "did not fit the memory cap" in r.fp64
     assert any(x.startswith("the fp64 check (needs about") and "0.001x the peak memory" in x
                for x in r.left_out)
+
+
+FORWARDS = [0]  # training forwards on the whole batch, across the doctor's copies of the model
+
+
+class Slowing(nn.Module):
+    """A Linear, then naps: each forward sleeps `seconds` a batch of 64 (in `pieces` naps, where
+    the doctor may stop a forward), `slow` times that in the training forwards on the whole
+    batch after the first `after` of them (a machine that got busier, injected), `fp16_slow`
+    times that in fp16 on the whole batch only (a slow fp16 kernel that a slice of the batch, as
+    the doctor's probe takes, does not show). Steps of sleep: plain steps on any CPU, however
+    loaded."""
+
+    def __init__(self, seconds: float = 0.2, after: int | None = None, slow: float = 1.0,
+                 fp16_slow: float = 1.0, pieces: int = 20) -> None:
+        super().__init__()
+        from doctor_models import Nap
+
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 4)
+        self.nap = Nap()
+        self.seconds, self.after, self.slow, self.fp16_slow = seconds, after, slow, fp16_slow
+        self.pieces = pieces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        factor = x.shape[0] / 64
+        if x.shape[0] > 8:
+            if torch.is_grad_enabled():
+                FORWARDS[0] += 1
+                factor *= self.slow if self.after is not None and FORWARDS[0] > self.after else 1.0
+            factor *= self.fp16_slow if h.dtype == torch.float16 else 1.0
+        for _ in range(self.pieces):
+            h = self.nap(h, self.seconds * factor / self.pieces)
+        return h
+
+
+def _spent(report) -> float:
+    import re
+
+    return float(re.search(r"spent ([\d.]+) plain steps", report.budget).group(1))
+
+
+def test_the_timing_round_stops_at_its_deadline_when_steps_slow_down(monkeypatch):
+    """The modes' first steps take a plain step each; from the timing round on, every step takes
+    five (injected). The round priced from the first steps fits, but each of its steps is
+    started only where it still fits at the pace seen so far: the round stops at the deadline,
+    the budget holds within 1.2x (one step at the new pace may pass the limit: a step is never
+    stopped inside; the whole round would have cost 15 plain steps), and the report names the
+    timed steps that did not fit."""
+    from doctor_models import CPU_CLASSES
+
+    from ampnb.device import cpu_features_as
+
+    monkeypatch.setattr(budget_module, "MIN_SECONDS", 1.0)
+    FORWARDS[0] = 0
+    # 5 training forwards before the round: 32-true's first step, the unit's 2, and each mixed
+    # mode's first step (bf16 counted native on this class: both modes are timed)
+    model = Slowing(after=5, slow=5.0)
+    with cpu_features_as(CPU_CLASSES["avx512-bf16"]):
+        r = ampnb.doctor(model, data(64), CE, modes=("32-true", "bf16-mixed", "16-mixed"),
+                         tolerance=1.0, profile=False)
+    assert r.mode("bf16-mixed").ran and r.mode("16-mixed").ran   # their errors: first steps
+    assert FORWARDS[0] - 5 < 3, (FORWARDS, r.left_out)           # the round of 3 was cut short
+    assert _spent(r) <= 1.2 * DEFAULT_STEPS, (r.budget, r.left_out)
+    said = [x for x in r.left_out if x.startswith("timed step 1 of")]
+    assert said and "pace" in said[0] and "plain steps left" in said[0], r.left_out
+
+
+def test_a_first_step_through_fp16_kernels_is_stopped_at_the_budgets_limit(monkeypatch):
+    """16-mixed 30x slower on the whole batch only (planted): its probe on a slice prices it as
+    cheap, so its first step starts; it always runs, but no further than the budget's limit (it
+    could take the whole budget past what was spent before it), and the report says so."""
+    from doctor_models import CPU_CLASSES, SLEPT
+
+    from ampnb.device import cpu_features_as
+
+    monkeypatch.setattr(budget_module, "MIN_SECONDS", 1.0)
+    SLEPT.clear()
+    model = Slowing(fp16_slow=30.0, pieces=60)
+    with cpu_features_as(CPU_CLASSES["avx2"]):
+        r = ampnb.doctor(model, data(64), CE, modes=("32-true", "16-mixed"), profile=False)
+    said = [x for x in r.left_out if x.startswith("16-mixed: its step")]
+    assert said and "its first step was stopped" in said[0], r.left_out
+    # 32-true's first step and the unit's two came first (0.2 s each): 12 plain steps were left
+    assert SLEPT.get(torch.float16, 0.0) <= 0.2 * (DEFAULT_STEPS - 3), (SLEPT, r.left_out)
+    assert _spent(r) <= DEFAULT_STEPS, (r.budget, r.left_out)
+
+
+@pytest.mark.parametrize("at_once", [1 << 22, 700])
+def test_the_fp16_underflow_note_counts_what_torchs_own_cast_flushes(monkeypatch, at_once):
+    """The range note's fraction of nonzero gradient values that fp16 flushes to zero, counted
+    in runs of tensors (at_once: elements scaled at a time), is what torch's own fp16 cast
+    flushes, with and without the GradScaler's scale; exact zeros are not counted."""
+    from ampnb.diagnosis import evidence
+
+    monkeypatch.setattr(evidence, "SCALED_AT_ONCE", at_once)
+    g = torch.Generator().manual_seed(0)
+    grads = {f"p{i}": torch.randn(n, generator=g) * 2.0 ** torch.randint(-45, 0, (n,), generator=g)
+             for i, n in enumerate((300, 1, 5000, 64, 2000))}
+    grads["p1"].zero_()
+    grads["p4"][::3] = 0.0
+    for scale in (1.0, 2.0**16):
+        flat = torch.cat([t.reshape(-1) for t in grads.values()])
+        nonzero = flat != 0
+        flushed = ((flat * scale).half() == 0) & nonzero
+        want = flushed.sum().item() / nonzero.sum().item()
+        assert 0 < want < 1
+        assert evidence.underflow(grads, scale) == pytest.approx(want, rel=1e-12)

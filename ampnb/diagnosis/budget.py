@@ -89,12 +89,27 @@ class Clock:
         """Seconds left until the aim (inf until the plain step is measured, or with no limit)."""
         return math.inf if math.isnan(self.plain) else self.budget.aim(self.plain) - self.spent
 
+    @property
+    def left_to_limit(self) -> float:
+        """Seconds left until the budget's limit itself, past the aim: the deadline of the work
+        the headline must do (its modes' first steps and first timed round), never of the rest."""
+        return math.inf if math.isnan(self.plain) else self.budget.limit(self.plain) - self.spent
+
+    @property
+    def hand(self) -> float:
+        """Seconds kept in hand: one plain step and the `reserve` for what runs after the last
+        stage (the report, putting the user's state back)."""
+        return (0.0 if math.isnan(self.plain) else self.plain) + self.reserve
+
+    def holds(self, seconds: float, must: bool = False) -> bool:
+        """Whether work estimated at `seconds` (SAFETY over it) fits with `hand` kept, before the
+        aim, or before the limit where the headline `must` do it."""
+        return SAFETY * seconds + self.hand <= (self.left_to_limit if must else self.left)
+
     def fits(self, seconds: float, what: str) -> bool:
-        """Whether work estimated at `seconds` fits, with one plain step and the `reserve` kept
-        in hand for what runs after the last stage (the report, putting the user's state back);
-        when not, it is listed as left out."""
-        hand = (0.0 if math.isnan(self.plain) else self.plain) + self.reserve
-        if SAFETY * seconds + hand <= self.left:
+        """Whether work estimated at `seconds` fits before the aim (`holds`); when not, it is
+        listed as left out."""
+        if self.holds(seconds):
             return True
         self.left_out.append(f"{what} (about {self._steps(seconds)}; "
                              f"{self._steps(max(self.left, 0.0))} left)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from ampnb.diagnosis.candidates import Candidate
 from ampnb.diagnosis.errors import rel
 from ampnb.diagnosis.run import StepResult
-from ampnb.instruments.coverage_stats import coverage
+from ampnb.instruments.coverage_stats import segment_counts
 
 MIN_TIMED = 3  # fewer timed steps than this show no spread: no speed is claimed from them
 
@@ -83,17 +84,26 @@ class ModeRow:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.saved_bytes
 
 
-def underflow(grads: dict[str, torch.Tensor], scale: float) -> float:
-    """Fraction of nonzero gradient values that round to zero in fp16 at a loss scale (counted
-    one tensor at a time)."""
+# Gradient elements scaled at a time for the underflow count: the copy stays small on any model
+SCALED_AT_ONCE = 1 << 22
+
+
+def underflow(grads: Mapping[str, torch.Tensor], scale: float) -> float:
+    """Fraction of nonzero gradient values that round to zero in fp16 at a loss scale, counted
+    in runs of tensors (segment_counts: a few torch calls per run, not per tensor; a real model
+    has hundreds of them, and the doctor's budget pays for every pass)."""
     flushed = nonzero = 0
-    for g in grads.values():
-        vals = g.detach().reshape(-1).float() * scale
-        vals = vals[vals != 0]
-        if vals.numel():
-            found = coverage(vals, "fp16")
-            flushed += found.n_underflow
-            nonzero += found.count
+    items = [g for g in grads.values() if g.numel()]
+    run: list[torch.Tensor] = []
+    for i, g in enumerate(items):
+        run.append(g.detach().reshape(-1).float() * scale)
+        if i + 1 < len(items) and sum(t.numel() for t in run) < SCALED_AT_ONCE:
+            continue
+        counts = segment_counts(run, ["fp16"])
+        for j in range(len(run)):
+            found = counts.coverages(j)["fp16"]
+            flushed, nonzero = flushed + found.n_underflow, nonzero + found.count - found.n_zero
+        run = []
     return flushed / nonzero if nonzero else 0.0
 
 

@@ -25,6 +25,7 @@ from ampnb.diagnosis.budget import DEFAULT_STEPS, SAFETY, Clock
 from ampnb.diagnosis.candidates import REFERENCE, Candidate, candidate
 from ampnb.diagnosis.cost import ROUNDS, Prices, ratios, sliced
 from ampnb.diagnosis.deadline import FORWARD_SHARE, Stopped, until
+from ampnb.diagnosis.rounds import timed_rounds
 from ampnb.diagnosis.run import (
     MIN_SCALE,
     Setup,
@@ -212,7 +213,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
     too_large, failed = list(head.too_large), list(head.failed)
     runs = dict(head.runs)
     bound_at: dict[str, Precision] = {}  # each mode at the loss scale its first step settled at
-    # the headline's modes that always run are timed once whatever is left: kept in hand
+    # the headline's modes that always run are timed once as the limit allows: kept in hand
     committed = plain + sum(estimates[c.name] for c, _ in priced
                             if _sure(c, estimates, clock)) if must else 0.0
     for c, key in sorted(priced, key=lambda ck: estimates[ck[0].name]):
@@ -221,7 +222,7 @@ def _first_steps(head: Headline, ref_cand: Candidate, cands: Sequence[Candidate]
             if not _startable(c, estimates, prices, too_large, clock) or not sure and not _fits(
                     c, runs, estimates, clock):
                 continue
-            within = _within(runs, clock, sure, c.fp16_kernels)
+            within = _within(runs, clock, sure)
         reset(setup, copies[key][0])
         say(f"{c.name}: its first step ({c.how})")
         # a mode that always runs may take all of it in its forward (fp16 kernels' first calls)
@@ -288,16 +289,17 @@ def _startable(c: Candidate, estimates: dict[str, float], prices: Prices, too_la
     return not stopped
 
 
-def _within(runs: dict[str, StepResult], clock: Clock, sure: bool, fp16_kernels: bool) -> float:
-    """Seconds a mode's first step may take: what is left (the islands of a mode that broke and
-    what the clock holds kept in hand); for a mode that always runs, never less than twice SURE
-    plain steps, and for fp16 through ampnb's kernels (the mode every CPU class must examine)
-    never less than the whole budget: a busier machine does not cost it its look."""
+def _within(runs: dict[str, StepResult], clock: Clock, sure: bool) -> float:
+    """Seconds a mode's first step may take: what is left before the aim (the islands of a mode
+    that broke and what the clock holds kept in hand); for a mode that always runs (fp16
+    through ampnb's kernels among them: every CPU class examines it), what is left before the
+    budget's limit, never less than twice SURE plain steps: a busier machine does not cost it
+    its look, nor the budget more than its limit."""
     broken = any(not r.finite for r in runs.values())
-    hand = clock.plain + clock.reserve + (ISLANDS_STEPS * clock.plain if broken else 0.0)
-    floor = 0.0 if not sure else clock.budget.limit(clock.plain) if fp16_kernels else \
-        2 * SURE * clock.plain
-    return max((clock.left - hand) / SAFETY, floor)
+    hand = clock.hand + (ISLANDS_STEPS * clock.plain if broken else 0.0)
+    if not sure:
+        return max((clock.left - hand) / SAFETY, 0.0)
+    return max((clock.left_to_limit - hand) / SAFETY, 2 * SURE * clock.plain)
 
 
 def _fits(c: Candidate, runs: dict[str, StepResult], estimates: dict[str, float], clock: Clock
@@ -349,35 +351,9 @@ def _probe(setup: Setup, ref: tuple[Candidate, nn.Module] | None,
 def _rounds(setup: Setup, timed: list[Candidate], copies: dict, bound_at: dict,
             estimates: dict[str, float], clock: Clock, repeat: int,
             say: Callable[[str], None], *, must: bool) -> dict[str, list[float]]:
-    """Up to `repeat` round-robin rounds, as many as the budget holds, of 32-true and the modes
-    whose steps fit in one round beside it (the dearest left out first, with its cost said);
-    when `must` (the headline's mixed modes), those that always run are timed at least once."""
+    """The timing rounds (rounds.timed_rounds) of 32-true and `timed`; when `must` (the
+    headline's mixed modes), those that always run are timed in the first round as the
+    budget's limit allows."""
     est = {c.name: clock.plain if c is timed[0] else estimates[c.name] for c in timed}
-    hand = clock.plain + clock.reserve
-    sure = {c.name for c in timed if must and _sure(c, est, clock)}
-    kept = sorted(timed[1:], key=lambda c: (c.name in sure, -est[c.name]), reverse=True)
-    while kept and kept[-1].name not in sure and \
-            clock.left < SAFETY * sum(est[c.name] for c in (timed[0], *kept)) + hand:
-        c = kept.pop()
-        clock.skip(f"timing {c.name} beside 32-true", f"about {est[c.name] / clock.plain:.1f} "
-                   "plain steps a round; its errors are from its first step")
-    timed = [timed[0], *(c for c in timed[1:] if c in kept)]
-    if len(timed) < 2:
-        return {}
-    total = sum(est[c.name] for c in timed)
-    rounds = repeat
-    while rounds > 1 and clock.left < SAFETY * rounds * total + hand:
-        rounds -= 1
-    if rounds < repeat:
-        which = f"{rounds + 1}" if rounds + 1 == repeat else f"{rounds + 1}-{repeat}"
-        clock.skip(f"timed step{'s' if rounds + 1 < repeat else ''} {which} of "
-                   f"{', '.join(c.name for c in timed[1:])} beside 32-true")
-    say(f"timing {len(timed)} modes round-robin ({rounds} steps each, "
-        f"{torch.get_num_threads()} threads)")
-    times: dict[str, list[float]] = {c.name: [] for c in timed}
-    for _ in range(rounds):
-        for c in timed:
-            net, opt = copies["fp32" if keeps_model(c) else c.name]
-            p = bound_at.get(c.name) or c.bound()  # 32-true: no scaler
-            _timed(setup, c, net, opt, p, times[c.name])
-    return times
+    sure = {c.name for c in timed[1:] if must and _sure(c, est, clock)}
+    return timed_rounds(setup, timed, copies, bound_at, estimates, sure, clock, repeat, say)
