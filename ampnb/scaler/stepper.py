@@ -40,7 +40,10 @@ def _resolve_device(model: torch.nn.Module, mode: Any,
             raise ValueError(f"device={device!r} is not a device; allowed: None (the model's), "
                              f"'cpu' or 'cuda'.") from None
         mode.check(stated)  # names missing hardware (e.g. no CUDA here) and what to use instead
-    return torch.device(place_model(model, device).device)
+    try:
+        return torch.device(place_model(model, device).device)
+    except ValueError as e:  # the stated device is named as the user spelled it
+        raise ValueError(f"device={device!r}: {e}") from None
 
 
 def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
