@@ -197,8 +197,10 @@ why
 # On a real model every step costs, so the doctor works to a **budget**: by default 15 plain
 # training steps of time (`budget=` also takes seconds, `"40 steps"`, or `math.inf`). It answers
 # the question first: the **headline** runs every mode this machine runs natively or slowly as
-# plain steps (errors from each mode's first step, speeds from steps timed round-robin), and the
-# budget cannot drop it. Then, as the budget allows: the emulated modes' accuracy, fp32 islands,
+# plain steps (errors from each mode's first step, speeds from steps timed round-robin). Those
+# first steps come before anything else, each stopped only past what is left of the budget, and
+# a timed step starts only where it fits at the pace seen so far; what was cut is listed. Then,
+# as the budget allows: the emulated modes' accuracy, fp32 islands,
 # the true modes with their multi-step check, per-layer errors, the fp64 check, profiles; what did
 # not fit is listed. Costs are measured here (each mode's forward on a slice of the batch before
 # its first step), never assumed. A true mode (`bf16-true`, `16-true`) is never recommended for
