@@ -356,4 +356,4 @@ def _rounds(setup: Setup, timed: list[Candidate], copies: dict, bound_at: dict,
     budget's limit allows."""
     est = {c.name: clock.plain if c is timed[0] else estimates[c.name] for c in timed}
     sure = {c.name for c in timed[1:] if must and _sure(c, est, clock)}
-    return timed_rounds(setup, timed, copies, bound_at, estimates, sure, clock, repeat, say)
+    return timed_rounds(setup, timed, copies, bound_at, est, sure, clock, repeat, say)

@@ -69,13 +69,13 @@ def _stopped(timed: list[Candidate], est: dict[str, float], clock: Clock, at: tu
 
 
 def timed_rounds(setup: Setup, timed: list[Candidate], copies: dict, bound_at: dict,
-                 estimates: dict[str, float], sure: Collection[str], clock: Clock, repeat: int,
+                 est: dict[str, float], sure: Collection[str], clock: Clock, repeat: int,
                  say: Callable[[str], None]) -> dict[str, list[float]]:
     """Up to `repeat` round-robin rounds of 32-true (timed[0]) and the modes whose steps fit one
     round beside it; each step started only where it fits at the pace seen so far (the first
     round of the `sure` modes, which always run, before the budget's limit; the rest before its
-    aim). Each mode's step is priced at its first step's seconds (`estimates`)."""
-    est = {c.name: clock.plain if c is timed[0] else estimates[c.name] for c in timed}
+    aim). `est`: each step's price in seconds (32-true's the plain step, a mode's its first
+    step's)."""
     timed = _kept(timed, est, sure, clock)
     if len(timed) < 2:
         return {}
