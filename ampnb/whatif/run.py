@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ampnb._interrupt import Guard
 from ampnb._tree import tensors
@@ -17,6 +18,7 @@ from ampnb.precision import Precision
 from ampnb.putback import untouched
 from ampnb.step import StepSettings, forward_loss, step_context
 from ampnb.whatif.casts import DEFAULT_FORMATS, get_cast
+from ampnb.whatif.graph import lowest
 from ampnb.whatif.result import WhatIf
 from ampnb.whatif.tally import Tally
 
@@ -42,8 +44,9 @@ def as_rows(m: nn.Module, x: torch.Tensor, tensor: str) -> torch.Tensor:
     return x
 
 
-def _hooks(model: nn.Module, tally: Tally) -> Guard:
-    """Forward hooks on every layer: weight and input at once, the output's gradient later."""
+def _hooks(model: nn.Module, tally: Tally, edges: list[GradientEdge]) -> Guard:
+    """Forward hooks on every layer: weight and input at once, the output's gradient later
+    (its edge in the graph appended to `edges`)."""
     handles: list[Any] = []
 
     def hook(name: str) -> Callable[..., None]:
@@ -53,6 +56,7 @@ def _hooks(model: nn.Module, tally: Tally) -> Guard:
             if x is not None and x.is_floating_point():
                 tally.add(name, "input", as_rows(m, x, "input"))
             if isinstance(out, torch.Tensor) and out.requires_grad:
+                edges.append(get_gradient_edge(out))
                 out.register_hook(lambda g: tally.add(name, "grad_output", as_rows(m, g, "grad")))
         return on_forward
 
@@ -68,6 +72,16 @@ def _hooks(model: nn.Module, tally: Tally) -> Guard:
     return Guard(attach, detach)
 
 
+def _backward(p: Precision, loss: torch.Tensor, edges: list[GradientEdge]) -> None:
+    """The gradients of the layers' outputs (`graph.lowest`: no weight gradient is computed);
+    the whole backward where the graph needs one (a reentrant checkpoint)."""
+    inputs = lowest(loss, edges) if loss.grad_fn is not None else None
+    if inputs is None:
+        p.backward(loss)
+    elif inputs:
+        torch.autograd.grad(loss, inputs)
+
+
 def _own_loss(output: Any, _targets: Any) -> torch.Tensor | None:
     return model_loss(output)
 
@@ -75,7 +89,8 @@ def _own_loss(output: Any, _targets: Any) -> torch.Tensor | None:
 def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = None, *,
             formats: Iterable[str] = DEFAULT_FORMATS) -> WhatIf:
     """One training step under 32-true (forward + backward, no update, no autocast: an fp32
-    model's fp32 step) of `model` on `batch`: for every Linear/Conv layer's weight, input and
+    model's fp32 step; the backward computes the layers' output gradients, not the weights')
+    of `model` on `batch`: for every Linear/Conv layer's weight, input and
     output gradient, what each format would lose (the reference is the tensor as it ran).
 
     Without a loss_fn the model's own loss is used; a model without one gives weights and
@@ -90,12 +105,12 @@ def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = N
         raise ValueError(f"formats is empty; allowed: e.g. {', '.join(DEFAULT_FORMATS)}")
     tally = Tally(tuple(get_cast(f) for f in names), FLUSH_ELEMENTS)
     p = Precision.of("32-true", model=model)  # the model as it is, where place_model says
-    run = as_batch(batch, loss_fn)
-    with untouched(model), _hooks(model, tally):
+    run, edges = as_batch(batch, loss_fn), []
+    with untouched(model), _hooks(model, tally, edges):
         with step_context(StepSettings(p), model), torch.enable_grad():
             _, loss = forward_loss(p, model, run, loss_fn or _own_loss)
             if loss is not None:  # a model with no loss still shows weights and inputs
-                p.backward(loss)
+                _backward(p, loss, edges)
     tally.flush()
     if not tally.sums:
         raise ValueError(f"{type(model).__name__} ran no Linear or Conv layer; allowed: a model "
