@@ -1,7 +1,7 @@
 """The casts a what-if compares: plain float casts, FP8 scaled per tensor or per row, block-scaled.
 
 Each cast rounds every tensor of a `layout.Blocks` at once: it writes the values quantized (in
-fp32) into `out` and returns, per block, how many values overflowed or saturated (None: none
+fp32) into `out` and returns, per line, how many values overflowed or saturated (None: none
 did). FP8 tensorwise and rowwise scale to amax as torchao's float8 does (`amax_to_scale`:
 max / amax, amax clamped at 1e-12; its rowwise recipe rounds each row's scale down to a power
 of two); block-scaled formats are `ampnb.quantize`'s casts (`block_formats.cast_blocks`).
@@ -19,7 +19,7 @@ from ampnb import formats
 from ampnb.block_formats import BLOCK_FORMATS, cast_blocks, nvfp4_scale_of, round_elements
 from ampnb.formats import FloatFormat
 from ampnb.fp8.scaling import EPS, amax_to_scale
-from ampnb.whatif.layout import Blocks, Pending
+from ampnb.whatif.layout import LINE, Blocks, Pending
 
 CastFn = Callable[[Blocks, torch.Tensor], "torch.Tensor | None"]
 DEFAULT_FORMATS = ("fp16", "bf16", "fp8_e4m3_tensorwise", "fp8_e4m3_rowwise", "mxfp8_e4m3",
@@ -46,10 +46,10 @@ class Cast:
 
 
 def _past_max(b: Blocks, scaled: torch.Tensor, f: FloatFormat) -> torch.Tensor:
-    """Per block, how many finite values round past f's max (to inf, or clamped)."""
+    """Per line, how many finite values round past f's max (to inf, or clamped)."""
     a = torch.abs(scaled, out=b.work)
     over = a >= f.overflow_threshold if f.overflow_inclusive else a > f.overflow_threshold
-    return over.logical_and_(a != torch.inf).sum(-1)
+    return over.logical_and_(a != torch.inf).view(-1, LINE).sum(-1)
 
 
 def _plain(f: FloatFormat) -> CastFn:
@@ -71,7 +71,7 @@ def _scaled(f: FloatFormat, scale: torch.Tensor, b: Blocks, out: torch.Tensor
     scaled = torch.mul(b.x, scale, out=out)
     over = None
     if not b.finite:
-        over = _past_max(b, scaled, f) * b.per_block(~torch.isfinite(b.tensor_amax))
+        over = _past_max(b, scaled, f) * b.per_line(~torch.isfinite(b.tensor_amax))
         scaled.clamp_(-f.max, f.max)
     # Finite: no -0 kept, which no figure can tell from +0 (one pass fewer).
     return round_elements(scaled, f, b.work.view(torch.int32), not b.finite).div_(scale), over
@@ -107,14 +107,12 @@ def _block(name: str) -> CastFn:
     f = BLOCK_FORMATS[name]
 
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
-        def per_block(mask: torch.Tensor) -> torch.Tensor:
-            return torch.mv(mask.view(b.x.shape), b.ones)
         if f.tensor_scale is None:
-            return cast_blocks(b.x, f, b.amax32, None, out, b.scratch(*b.x.shape), per_block,
+            return cast_blocks(b.x, f, b.amax32, None, out, b.scratch(*b.x.shape), b.line_sums,
                                b.finite)[1]
         shape = (-1, b.x.shape[1] // f.block_size, f.block_size)  # NVFP4: half blocks
         return cast_blocks(b.x.view(shape), f, b.amax16, _nvfp4_scales(b), out.view(shape),
-                           b.scratch(*shape), per_block, b.finite)[1]
+                           b.scratch(*shape), b.line_sums, b.finite)[1]
     return cast
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ampnb.whatif.casts import Cast
-from ampnb.whatif.layout import BLOCK, Blocks, Pending, Whole, whole
+from ampnb.whatif.layout import LINE, Blocks, Pending, Whole, whole
 from ampnb.whatif.result import WhatIfRow, sqnr_db
 
 Key = tuple[str, str]
@@ -15,32 +15,33 @@ Key = tuple[str, str]
 def block_figures(b: Blocks, casts: tuple[Cast, ...], sums: torch.Tensor) -> list[list[float]]:
     """Per tensor [|x|^2, zeros, then per format |x - q(x)|^2, zeros, past max] (float64 sums).
 
-    Each block's sums are taken in fp32 (32 values: a matrix-vector product, faster than a
-    reduction along a short axis on a CPU) into `sums` (2 + 3 F rows, nb columns), then each
-    tensor's. The casts write into b.out and use b.work as scratch.
+    Each line's sums are taken in fp32 (a matrix-vector product) into `sums` (2 + 3 F rows, one
+    column per line), then each tensor's. The casts write into b.out and use b.work as scratch.
     """
     x, w, out = b.x, b.work, b.out
-    ones, zero = b.ones, x.new_zeros(())  # a 0-dim tensor: no scalar wrapped per call
+    zero = x.new_zeros(())  # a 0-dim tensor: no scalar wrapped per call
     rows = sums.unbind(0)
-    torch.mv(torch.mul(x, x, out=w), ones, out=rows[0])
-    torch.mv(torch.eq(x, zero, out=w), ones, out=rows[1])
+    lines = x.view(-1, LINE), w.view(-1, LINE), out.view(-1, LINE)
+    xl, wl, ol = lines
+    torch.mv(torch.mul(xl, xl, out=wl), b.ones, out=rows[0])
+    torch.mv(torch.eq(xl, zero, out=wl), b.ones, out=rows[1])
     none = []  # formats with no value past the max: their count row is left unwritten
     for i, c in enumerate(casts):
         over = c.fn(b, out)
         for pad in b.padding(out):
             pad.zero_()
         # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
-        torch.mv(torch.eq(out, zero, out=w), ones, out=rows[3 + 3 * i])
-        # (q - x)^2 in one pass (bit for bit (q - x).square()), summed per block.
-        torch.mv(torch.ops.aten.mse_loss.out(out, x, 0, out=w), ones, out=rows[2 + 3 * i])
+        torch.mv(torch.eq(ol, zero, out=wl), b.ones, out=rows[3 + 3 * i])
+        # (q - x)^2 in one pass (bit for bit (q - x).square()), summed per line.
+        torch.mv(torch.ops.aten.mse_loss.out(ol, xl, 0, out=wl), b.ones, out=rows[2 + 3 * i])
         if over is None:
             none.append(4 + 3 * i)
         else:
             rows[4 + 3 * i].copy_(over)
-    ends = (*b.starts[1:], x.shape[0])
+    ends = (*b.starts[1:], sums.shape[1])
     # fp32 sums over a piece (as accurate as the one-tensor fp32 norms they replace; counts
     # exact below 2**24 values, float64 past that), added up across pieces in float64.
-    per_tensor = torch.stack([sums[:, s:e].sum(1, dtype=torch.float64 if (e - s) * BLOCK >= 2**24 else None)
+    per_tensor = torch.stack([sums[:, s:e].sum(1, dtype=torch.float64 if (e - s) * LINE >= 2**24 else None)
                               for s, e in zip(b.starts, ends)]).double().tolist()
     for row in per_tensor:
         for k in none:
@@ -94,7 +95,7 @@ class Tally:
             return
         b = self.pending.blocks()
         # Not kept between flushes (it would add to the peak memory); every row gets written.
-        sums = torch.empty(2 + 3 * len(self.casts), b.x.shape[0], device=b.x.device)
+        sums = torch.empty(2 + 3 * len(self.casts), b.x.numel() // LINE, device=b.x.device)
         for (key, n), row in zip(self.keys, block_figures(b, self.casts, sums)):
             self._add(key, row, n)
         self.pending.clear()
