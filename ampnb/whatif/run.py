@@ -72,6 +72,17 @@ def _hooks(model: nn.Module, tally: Tally, edges: list[GradientEdge]) -> Guard:
     return Guard(attach, detach)
 
 
+def _step(p: Precision, model: nn.Module, run: Any, loss_fn: Callable[..., Any] | None,
+          edges: list[GradientEdge]) -> None:
+    """The forward and the backward. The graph is gone when it returns, before the last flush:
+    the nodes the backward did not need to run (below the lowest outputs) hold saved tensors."""
+    with step_context(StepSettings(p), model), torch.enable_grad():
+        _, loss = forward_loss(p, model, run, loss_fn or _own_loss)
+        if loss is not None:  # a model with no loss still shows weights and inputs
+            _backward(p, loss, edges)
+    edges.clear()
+
+
 def _backward(p: Precision, loss: torch.Tensor, edges: list[GradientEdge]) -> None:
     """The gradients of the layers' outputs (`graph.lowest`: no weight gradient is computed);
     the whole backward where the graph needs one (a reentrant checkpoint)."""
@@ -107,10 +118,7 @@ def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = N
     p = Precision.of("32-true", model=model)  # the model as it is, where place_model says
     run, edges = as_batch(batch, loss_fn), []
     with untouched(model), _hooks(model, tally, edges):
-        with step_context(StepSettings(p), model), torch.enable_grad():
-            _, loss = forward_loss(p, model, run, loss_fn or _own_loss)
-            if loss is not None:  # a model with no loss still shows weights and inputs
-                _backward(p, loss, edges)
+        _step(p, model, run, loss_fn, edges)
     tally.flush()
     if not tally.sums:
         raise ValueError(f"{type(model).__name__} ran no Linear or Conv layer; allowed: a model "
