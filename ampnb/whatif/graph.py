@@ -10,6 +10,8 @@ tensor hooks run) as they pass, and none is held until the backward ends.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.autograd.graph import GradientEdge
 
@@ -21,18 +23,18 @@ def lowest(root: torch.Tensor, edges: list[GradientEdge]) -> list[GradientEdge] 
     """The edges with no other of `edges` below them in root's graph (None: a graph that only a
     whole backward can run)."""
     marked = {e.node for e in edges}
-    below: dict[torch.autograd.graph.Node, bool] = {}  # node -> a marked node lies under it
-    stack = [(root.grad_fn, False)]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            below[node] = any(c in marked or below[c] for c, _ in node.next_functions if c is not None)
-            continue
-        if node in below:
-            continue
-        if node.name() == _REENTRANT:
-            return None
-        below[node] = False  # seen (a graph has no cycles: set for real once its children are)
-        stack.append((node, True))
-        stack.extend((c, False) for c, _ in node.next_functions if c is not None and c not in below)
+    children: dict[Any, list] = {}  # the nodes seen, with the nodes their gradients flow to
+    below: dict[Any, bool] = {}  # node -> a marked node lies under it (once its children have it)
+    stack = [root.grad_fn]
+    while stack:  # depth first; a node is done after its children (a graph has no cycles)
+        node = stack[-1]
+        if node not in children:
+            if type(node).__name__ == _REENTRANT:
+                return None
+            kids = children[node] = [c for c, _ in node.next_functions if c is not None]
+            stack.extend(c for c in kids if c not in children)
+        else:
+            stack.pop()
+            if node not in below:
+                below[node] = any(c in marked or below[c] for c in children[node])
     return [e for e in edges if e.node in below and not below[e.node]]
