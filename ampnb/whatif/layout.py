@@ -126,11 +126,12 @@ def whole(x: torch.Tensor) -> Whole:
 
 
 class Pending:
-    """Tensors copied into one zero-padded buffer as they come (nothing of the caller's kept)."""
+    """Tensors copied into one zero-padded buffer as they come (nothing of the caller's kept);
+    `blocks()` adds the two scratch copies a flush rounds in."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(-(-capacity // LINE) * LINE, LINE)
-        self.data = self.work = self.out = self.ones = None
+        self.data = self.ones = None
         self.used = 0
         self.shapes: list[tuple[torch.Size, int]] = []  # each tensor's shape, padded row length
         self.whole: list[Whole | None] = []
@@ -168,8 +169,6 @@ class Pending:
         old = self.data if self.shapes else None
         size = max(min(self.capacity, 2 * self.used + n), self.used + n)
         self.data = torch.empty(size, device=device)
-        self.work = torch.empty(size, device=device)
-        self.out = torch.empty(size, device=device)
         self.ones = torch.ones(LINE, device=device)
         if old is not None:
             self.data[:self.used].copy_(old[:self.used])
@@ -178,7 +177,9 @@ class Pending:
         """The buffer as blocks, with each block's, row's and tensor's amax."""
         nb = self.used // BLOCK
         x = self.data[:self.used].view(nb, BLOCK)
-        work = self.work[:self.used].view(nb, BLOCK)
+        # The scratch lives for one flush only: between flushes, while the model's own tensors
+        # come and go, the buffer alone is held (a third of the memory).
+        work = torch.empty(nb, BLOCK, device=x.device)
         amax16 = _block_amax(x, work)
         amax32 = torch.maximum(amax16[:, 0], amax16[:, 1])
         lines = [_lines(s, p) for s, p in self.shapes]
@@ -193,7 +194,7 @@ class Pending:
             starts.append(starts[-1] + c)
         return Blocks(x, amax16, amax32, tensor_blocks, tensor_lines, tensor_amax,
                       float(tensor_amax.max()), tuple(starts), work,
-                      self.out[:self.used].view(nb, BLOCK), tuple(self.shapes), tuple(self.whole),
+                      torch.empty(nb, BLOCK, device=x.device), tuple(self.shapes), tuple(self.whole),
                       self.ones)
 
     def unpad(self, flat: torch.Tensor) -> torch.Tensor:

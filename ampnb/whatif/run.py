@@ -23,10 +23,11 @@ from ampnb.whatif.result import WhatIf
 from ampnb.whatif.tally import Tally
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-# Elements (zero-padded rows) rounded together: the buffer and its two scratch copies are the
-# memory what_if adds (3 x 4 bytes each, 1.9 MiB); fewer, larger batches cost fewer torch calls
-# (benchmarks/bench_what_if.py: time and memory against a plain step).
-FLUSH_ELEMENTS = 5 * 2**15
+# Elements (zero-padded rows) rounded together: the memory what_if adds is the buffer (4 bytes
+# each, 0.75 MiB) and, during a flush, its two scratch copies (2.25 MiB in all); fewer, larger
+# batches cost fewer torch calls (benchmarks/bench_what_if.py: time and memory against a plain
+# step; the demo GPT's step takes 7 flushes).
+FLUSH_ELEMENTS = 6 * 2**15
 
 
 def is_layer(m: nn.Module) -> bool:
@@ -107,7 +108,8 @@ def what_if(model: nn.Module, batch: Any, loss_fn: Callable[..., Any] | None = N
     Without a loss_fn the model's own loss is used; a model without one gives weights and
     inputs only. The model, its gradients, buffers and every RNG are put back. Tensors are
     copied into a buffer of `FLUSH_ELEMENTS` values rounded when full, so no tensor is kept
-    beyond the step's own and the memory added is that buffer and its two scratch copies.
+    beyond the step's own and the memory added is that buffer (and its two scratch copies while
+    it is rounded).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"what_if needs an nn.Module, got {type(model).__name__}")
