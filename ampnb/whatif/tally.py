@@ -38,11 +38,9 @@ def block_figures(b: Blocks, casts: tuple[Cast, ...], sums: torch.Tensor) -> lis
             none.append(4 + 3 * i)
         else:
             rows[4 + 3 * i].copy_(over)
-    ends = (*b.starts[1:], sums.shape[1])
-    # fp32 sums over a piece (as accurate as the one-tensor fp32 norms they replace; counts
-    # exact below 2**24 values, float64 past that), added up across pieces in float64.
-    per_tensor = torch.stack([sums[:, s:e].sum(1, dtype=torch.float64 if (e - s) * LINE >= 2**24 else None)
-                              for s, e in zip(b.starts, ends)]).double().tolist()
+    # The lines' fp32 sums added up per tensor in float64 (counts exact), in one call.
+    per_tensor = torch.segment_reduce(sums.t().to(torch.float64, memory_format=torch.contiguous_format),
+                                      "sum", lengths=b.tensor_lines, unsafe=True).tolist()
     for row in per_tensor:
         for k in none:
             row[k] = 0.0
