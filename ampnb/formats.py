@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 import torch
 
@@ -51,31 +52,31 @@ class FloatFormat:
         sign = 0 if self.encoding is Encoding.EXPONENT else 1
         return sign + self.exponent_bits + self.mantissa_bits
 
-    @property
+    @cached_property  # a frozen record: derived once (casts read it per call)
     def max_exponent(self) -> int:
         """Unbiased exponent of the largest finite value."""
         top = 2**self.exponent_bits - 1
         reserved = self.encoding in (Encoding.IEEE, Encoding.EXPONENT)  # all-ones: inf/NaN
         return (top - 1 if reserved else top) - self.bias
 
-    @property
+    @cached_property
     def min_exponent(self) -> int:
         """Unbiased exponent of the smallest normal value."""
         # e8m0 has no zero or subnormals: the all-zeros pattern is 2**-bias itself.
         return (0 if self.encoding is Encoding.EXPONENT else 1) - self.bias
 
-    @property
+    @cached_property
     def max(self) -> float:
         # FN spends the all-ones mantissa of the top exponent on NaN, so its largest
         # mantissa is one step below all-ones.
         steps = 2**self.mantissa_bits - (2 if self.encoding is Encoding.FN else 1)
         return math.ldexp(1 + steps / 2**self.mantissa_bits, self.max_exponent)
 
-    @property
+    @cached_property
     def smallest_normal(self) -> float:
         return math.ldexp(1.0, self.min_exponent)
 
-    @property
+    @cached_property
     def smallest_subnormal(self) -> float:
         return math.ldexp(1.0, self.min_exponent - self.mantissa_bits)
 
@@ -114,7 +115,7 @@ class FloatFormat:
         """What torch's cast does past the largest finite: 'inf', 'saturate' or 'nan'."""
         return _TORCH_OVERFLOW[self.encoding]
 
-    @property
+    @cached_property
     def overflow_threshold(self) -> float:
         """Magnitude half an ulp above `max`: rounding to nearest sends values past it out of range."""
         return self.max + math.ldexp(1.0, self.max_exponent - self.mantissa_bits - 1)

@@ -24,10 +24,10 @@ from ampnb.whatif.tally import Tally
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Elements (zero-padded rows) rounded together: the memory what_if adds is the buffer (4 bytes
-# each, 0.75 MiB) and, during a flush, its two scratch copies (2.25 MiB in all); fewer, larger
-# batches cost fewer torch calls (benchmarks/bench_what_if.py: time and memory against a plain
-# step; the demo GPT's step takes 7 flushes).
-FLUSH_ELEMENTS = 6 * 2**15
+# each, 0.7 MiB) and, during a flush, its two scratch copies (2.1 MiB in all); fewer, larger
+# batches cost fewer torch calls, about 0.5 ms a flush on a CPU (benchmarks/bench_what_if.py:
+# time and memory against a plain step; the demo GPT's step takes 7 flushes).
+FLUSH_ELEMENTS = 11 * 2**14
 
 
 def is_layer(m: nn.Module) -> bool:
