@@ -24,10 +24,11 @@ from ampnb.whatif.tally import Tally
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Elements (zero-padded rows) rounded together: the memory what_if adds is the buffer (4 bytes
-# each, 0.7 MiB) and, during a flush, its two scratch copies (2.1 MiB in all); fewer, larger
+# each, 0.6 MiB) and, during a flush, its two scratch copies (1.9 MiB in all); fewer, larger
 # batches cost fewer torch calls, about 0.5 ms a flush on a CPU (benchmarks/bench_what_if.py:
-# time and memory against a plain step; the demo GPT's step takes 7 flushes).
-FLUSH_ELEMENTS = 11 * 2**14
+# time and memory against a plain step; the demo GPT's step takes 8 flushes, and 7 at
+# 11 x 2**14 put its memory at 1.34-1.50x a plain step's, against a goal of 1.5x).
+FLUSH_ELEMENTS = 5 * 2**15
 
 
 def is_layer(m: nn.Module) -> bool:
