@@ -198,13 +198,11 @@ def cast_blocks(blocks: torch.Tensor, f: BlockFormat, amax: torch.Tensor,
     in one pass fewer and with no sync."""
     m = f.element.max
     if f.tensor_scale is None:
-        down, up = _mx_scales(amax, f)
+        down, up = _mx_scales(amax, f, finite)
         scaled = torch.div(blocks, down, out=out)
-        peak = amax / down
     else:
         down, up = _nvfp4_scales(amax, f, tensor_scale)
         scaled = torch.mul(blocks, down, out=out)
-        peak = amax * down
     if finite:  # no NaN: a value past the max is one the clamp changes
         v = torch.clamp(scaled, -m, m, out=work[0])
         mask = torch.ne(v, scaled, out=scaled)
@@ -213,6 +211,7 @@ def cast_blocks(blocks: torch.Tensor, f: BlockFormat, amax: torch.Tensor,
         return torch.mul(q, up, out=scaled), clamped
     clamped = None
     # Rounding is monotonic: a block's largest scaled magnitude is its amax scaled (one sync).
+    peak = amax / down if f.tensor_scale is None else amax * down
     if bool((peak > m).any()):
         w = torch.abs(scaled, out=None if work is None else work[0])
         mask = torch.gt(w, m, out=w)
@@ -221,7 +220,8 @@ def cast_blocks(blocks: torch.Tensor, f: BlockFormat, amax: torch.Tensor,
     return round_elements(scaled, f.element, None if work is None else work[1]).mul_(up), clamped
 
 
-def _mx_scales(amax: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def _mx_scales(amax: torch.Tensor, f: BlockFormat, finite: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """OCP MX scale X = 2**(floor(log2(amax)) - emax_elem) (torchao's FLOOR mode): (what the
     blocks are divided by, what the rounded elements are multiplied by).
 
@@ -230,7 +230,7 @@ def _mx_scales(amax: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torch.
     floored at 2**-126 while dequantizing multiplies by the e8m0 value itself (2**-127 for the
     lowest), so blocks whose amax is below 2**(emax_elem - 118) come back halved. A NaN makes
     the scale NaN (the whole block is NaN); an inf saturates to +-max*scale (inf in fp32) and
-    flushes the rest of its block.
+    flushes the rest of its block. `finite`: the caller knows no amax is NaN.
     """
     # The biased exponent of 2**(floor(log2 amax) - emax_elem), clamped to e8m0's 0..255.
     # (An amax has no sign bit: the exponent is its bits shifted.)
@@ -238,7 +238,7 @@ def _mx_scales(amax: torch.Tensor, f: BlockFormat) -> tuple[torch.Tensor, torch.
     scale = biased.bitwise_left_shift(23).view(torch.float32)  # the e8m0 value, exactly
     divide_by = scale.clamp(min=2.0**-126)
     scale = torch.where(biased == 0, 2.0**-127, scale)  # e8m0's lowest is an fp32 subnormal
-    return divide_by, torch.where(torch.isnan(amax), math.nan, scale)
+    return divide_by, scale if finite else torch.where(torch.isnan(amax), math.nan, scale)
 
 
 def _nvfp4_scales(amax: torch.Tensor, f: BlockFormat, tensor_scale: torch.Tensor

@@ -46,7 +46,6 @@ class Blocks:
     out: torch.Tensor  # (nb, 32) fp32: where the casts write
     shapes: tuple[tuple[torch.Size, int], ...]  # each tensor's shape and padded row length
     whole: tuple[Whole | None, ...]
-    ones: torch.Tensor  # (LINE,)
 
     @property
     def finite(self) -> bool:
@@ -63,7 +62,7 @@ class Blocks:
 
     def line_sums(self, mask: torch.Tensor) -> torch.Tensor:
         """Per line, the sum of a float tensor shaped as the blocks (a count, for a 0/1 mask)."""
-        return torch.mv(mask.view(-1, LINE), self.ones)
+        return mask.view(-1, LINE).sum(1)
 
     def row_blocks(self) -> torch.Tensor:
         """(R,) blocks per row, rows in order (a tensor's zeros after its rows: one more row)."""
@@ -131,7 +130,7 @@ class Pending:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(-(-capacity // LINE) * LINE, LINE)
-        self.data = self.ones = None
+        self.data = None
         self.used = 0
         self.shapes: list[tuple[torch.Size, int]] = []  # each tensor's shape, padded row length
         self.whole: list[Whole | None] = []
@@ -169,7 +168,6 @@ class Pending:
         old = self.data if self.shapes else None
         size = max(min(self.capacity, 2 * self.used + n), self.used + n)
         self.data = torch.empty(size, device=device)
-        self.ones = torch.ones(LINE, device=device)
         if old is not None:
             self.data[:self.used].copy_(old[:self.used])
 
@@ -194,8 +192,7 @@ class Pending:
             starts.append(starts[-1] + c)
         return Blocks(x, amax16, amax32, tensor_blocks, tensor_lines, tensor_amax,
                       float(tensor_amax.max()), tuple(starts), work,
-                      torch.empty(nb, BLOCK, device=x.device), tuple(self.shapes), tuple(self.whole),
-                      self.ones)
+                      torch.empty(nb, BLOCK, device=x.device), tuple(self.shapes), tuple(self.whole))
 
     def unpad(self, flat: torch.Tensor) -> torch.Tensor:
         """The one tensor in the buffer, taken back out of `flat` (a buffer-shaped result)."""

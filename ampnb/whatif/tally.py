@@ -15,7 +15,7 @@ Key = tuple[str, str]
 def block_figures(b: Blocks, casts: tuple[Cast, ...], sums: torch.Tensor) -> list[list[float]]:
     """Per tensor [|x|^2, zeros, then per format |x - q(x)|^2, zeros, past max] (float64 sums).
 
-    Each line's sums are taken in fp32 (a matrix-vector product) into `sums` (2 + 3 F rows, one
+    Each line's sums are taken in fp32 (a row sum per line) into `sums` (2 + 3 F rows, one
     column per line), then each tensor's. The casts write into b.out and use b.work as scratch.
     """
     x, w, out = b.x, b.work, b.out
@@ -23,17 +23,17 @@ def block_figures(b: Blocks, casts: tuple[Cast, ...], sums: torch.Tensor) -> lis
     rows = sums.unbind(0)
     lines = x.view(-1, LINE), w.view(-1, LINE), out.view(-1, LINE)
     xl, wl, ol = lines
-    torch.mv(torch.mul(xl, xl, out=wl), b.ones, out=rows[0])
-    torch.mv(torch.eq(xl, zero, out=wl), b.ones, out=rows[1])
+    torch.sum(torch.mul(xl, xl, out=wl), 1, out=rows[0])
+    torch.sum(torch.eq(xl, zero, out=wl), 1, out=rows[1])
     none = []  # formats with no value past the max: their count row is left unwritten
     for i, c in enumerate(casts):
         over = c.fn(b, out)
         for pad in b.padding(out):
             pad.zero_()
         # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
-        torch.mv(torch.eq(ol, zero, out=wl), b.ones, out=rows[3 + 3 * i])
+        torch.sum(torch.eq(ol, zero, out=wl), 1, out=rows[3 + 3 * i])
         # (q - x)^2 in one pass (bit for bit (q - x).square()), summed per line.
-        torch.mv(torch.ops.aten.mse_loss.out(ol, xl, 0, out=wl), b.ones, out=rows[2 + 3 * i])
+        torch.sum(torch.ops.aten.mse_loss.out(ol, xl, 0, out=wl), 1, out=rows[2 + 3 * i])
         if over is None:
             none.append(4 + 3 * i)
         else:
