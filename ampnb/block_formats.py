@@ -180,7 +180,8 @@ def round_elements(v: torch.Tensor, element: FloatFormat, work: torch.Tensor | N
     floor = (element.min_exponent + 127) << 23  # the subnormal binade's step, as an exponent
     if not signed_zero:
         magic = bits.clamp_min_(floor).add_(((23 - element.mantissa_bits) << 23) | 0x400000)
-        return v.add_(magic.view(torch.float32)).sub_(magic.view(torch.float32))
+        magic = magic.view(torch.float32)
+        return v.add_(magic).sub_(magic)
     step = bits.clamp_min_(floor).sub_(element.mantissa_bits << 23).view(torch.float32)
     return v.div_(step).round_().mul_(step)
 

@@ -55,7 +55,7 @@ def _past_max(b: Blocks, scaled: torch.Tensor, f: FloatFormat) -> torch.Tensor:
 def _plain(f: FloatFormat) -> CastFn:
     def cast(b: Blocks, out: torch.Tensor) -> torch.Tensor | None:
         if f.torch_dtype is not None and f.torch_dtype.itemsize < 4:  # via the scratch: no copy
-            out.copy_(b.work.view(-1).view(f.torch_dtype)[:b.x.numel()].view_as(b.x).copy_(b.x))
+            out.copy_(b.work.view(f.torch_dtype)[:, :b.x.shape[1]].copy_(b.x))
         else:
             out.copy_(b.x.to(f.torch_dtype) if f.torch_dtype is not None else formats.quantize(b.x, f))
         # No value of a tensor whose amax is below the threshold can round past f's max.

@@ -16,24 +16,27 @@ def block_figures(b: Blocks, casts: tuple[Cast, ...], sums: torch.Tensor) -> lis
     """Per tensor [|x|^2, zeros, then per format |x - q(x)|^2, zeros, past max] (float64 sums).
 
     Each line's sums are taken in fp32 (a row sum per line) into `sums` (2 + 3 F rows, one
-    column per line), then each tensor's. The casts write into b.out and use b.work as scratch.
+    column per line), then each tensor's. The casts write into b.out and use b.work as scratch;
+    the two statistics of a pass are written into work and out and summed in one call.
     """
     x, w, out = b.x, b.work, b.out
     zero = x.new_zeros(())  # a 0-dim tensor: no scalar wrapped per call
     rows = sums.unbind(0)
-    lines = x.view(-1, LINE), w.view(-1, LINE), out.view(-1, LINE)
-    xl, wl, ol = lines
-    torch.sum(torch.mul(xl, xl, out=wl), 1, out=rows[0])
-    torch.sum(torch.eq(xl, zero, out=wl), 1, out=rows[1])
+    pair = b.pair.view(2, -1, LINE)  # (work, out) as lines
+    xl, wl, ol = x.view(-1, LINE), w.view(-1, LINE), out.view(-1, LINE)
+    torch.mul(xl, xl, out=wl)
+    torch.eq(xl, zero, out=ol)
+    torch.sum(pair, 2, out=sums[0:2])
     none = []  # formats with no value past the max: their count row is left unwritten
     for i, c in enumerate(casts):
         over = c.fn(b, out)
         for pad in b.padding(out):
             pad.zero_()
-        # Every cast keeps a zero a zero (a NaN block aside): flushed = zeros gained.
-        torch.sum(torch.eq(ol, zero, out=wl), 1, out=rows[3 + 3 * i])
-        # (q - x)^2 in one pass (bit for bit (q - x).square()), summed per line.
-        torch.sum(torch.ops.aten.mse_loss.out(ol, xl, 0, out=wl), 1, out=rows[2 + 3 * i])
+        # (q - x)^2 in one pass (bit for bit (q - x).square()); then q is no longer needed:
+        # every cast keeps a zero a zero (a NaN block aside), so flushed = zeros gained.
+        torch.ops.aten.mse_loss.out(ol, xl, 0, out=wl)
+        torch.eq(ol, zero, out=ol)
+        torch.sum(pair, 2, out=sums[2 + 3 * i:4 + 3 * i])
         if over is None:
             none.append(4 + 3 * i)
         else:
