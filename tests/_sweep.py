@@ -205,16 +205,18 @@ def _global_hooks() -> int:
 
 
 def process_state() -> tuple:
-    """What an interrupt must never leave changed in the process, beyond torch's flags: the
-    autocast nesting counter, the function and dispatch mode stacks, global module and
-    optimizer hooks, the SIGINT handler, ampnb's per-thread backward state, held interrupts."""
+    """What an interrupt must never leave changed in the process: torch's flags
+    (`putback_state.torch_state`), the autocast nesting counter, the function and dispatch mode
+    stacks, global module and optimizer hooks, the SIGINT handler, ampnb's per-thread backward
+    state, held interrupts."""
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from ampnb import _interrupt, backwards
+    from ampnb import _interrupt, backwards, putback_state
 
     here = backwards._here
-    return (("autocast nesting", _autocast_nesting()),
+    return (("torch state", putback_state.torch_state()),
+            ("autocast nesting", _autocast_nesting()),
             ("function modes", tuple(map(type, _get_current_function_mode_stack()))),
             ("dispatch modes", tuple(map(type, _get_current_dispatch_mode_stack()))),
             ("global hooks", _global_hooks()),

@@ -193,7 +193,7 @@ def test_interrupt_at_any_function_entry_in_a_watched_loop_leaks_nothing():
         m = torch.nn.Linear(8, 1)
         hooks = (dict(m._forward_hooks), dict(m._forward_pre_hooks))
         return {"m": m, "opt": torch.optim.SGD(m.parameters(), lr=0.1), "hooks": hooks,
-                "before": putback_state.torch_state(), "process": process_state()}
+                "process": process_state()}
 
     def run(w):
         with ampnb.watch(w["m"], w["opt"]):
@@ -206,8 +206,6 @@ def test_interrupt_at_any_function_entry_in_a_watched_loop_leaks_nothing():
         problems = changed(w["process"], process_state())
         if (dict(w["m"]._forward_hooks), dict(w["m"]._forward_pre_hooks)) != w["hooks"]:
             problems.append("the watch's hooks are still on the model")
-        if putback_state.torch_state() != w["before"]:
-            problems.append("torch state changed")
         return problems
 
     tried, leaks = sweep(setup, run, check, BUDGET, events="calls")
