@@ -42,11 +42,19 @@ class Blocks:
     tensor_amax: torch.Tensor  # (T,) each tensor's amax (of the whole tensor, when split)
     top: float  # the largest of them (NaN if any is): one sync, shared by the casts
     starts: tuple[int, ...]  # each tensor's first line
-    work: torch.Tensor  # (nb, 32) fp32 scratch (also read as int32): pair[0]
-    out: torch.Tensor  # (nb, 32) fp32: where the casts write: pair[1]
     shapes: tuple[tuple[torch.Size, int], ...]  # each tensor's shape and padded row length
     whole: tuple[Whole | None, ...]
     pair: torch.Tensor  # (2, nb, 32): work and out in one memory, summed per line in one call
+
+    @property
+    def work(self) -> torch.Tensor:
+        """(nb, 32) fp32 scratch (also read as int32)."""
+        return self.pair[0]
+
+    @property
+    def out(self) -> torch.Tensor:
+        """(nb, 32) fp32: where the casts write."""
+        return self.pair[1]
 
     @property
     def finite(self) -> bool:
@@ -179,8 +187,7 @@ class Pending:
         # The scratch lives for one flush only: between flushes, while the model's own tensors
         # come and go, the buffer alone is held (a third of the memory).
         pair = torch.empty(2, nb, BLOCK, device=x.device)
-        work = pair[0]
-        amax16 = _block_amax(x, work)
+        amax16 = _block_amax(x, pair[0])
         amax32 = torch.maximum(amax16[:, 0], amax16[:, 1])
         lines = [_lines(s, p) for s, p in self.shapes]
         tensor_lines = torch.tensor(lines, device=x.device)
@@ -193,8 +200,8 @@ class Pending:
         for c in lines[:-1]:
             starts.append(starts[-1] + c)
         return Blocks(x, amax16, amax32, tensor_blocks, tensor_lines, tensor_amax,
-                      float(tensor_amax.max()), tuple(starts), work, pair[1], tuple(self.shapes),
-                      tuple(self.whole), pair)
+                      float(tensor_amax.max()), tuple(starts), tuple(self.shapes), tuple(self.whole),
+                      pair)
 
     def unpad(self, flat: torch.Tensor) -> torch.Tensor:
         """The one tensor in the buffer, taken back out of `flat` (a buffer-shaped result)."""

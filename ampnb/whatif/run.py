@@ -24,10 +24,10 @@ from ampnb.whatif.tally import Tally
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Elements (zero-padded rows) rounded together: the memory what_if adds is the buffer (4 bytes
-# each, 0.6 MiB) and, during a flush, its two scratch copies (1.9 MiB in all); fewer, larger
-# batches cost fewer torch calls, about 0.5 ms a flush on a CPU (benchmarks/bench_what_if.py:
-# time and memory against a plain step; the demo GPT's step takes 8 flushes, and 7 at
-# 11 x 2**14 put its memory at 1.34-1.50x a plain step's, against a goal of 1.5x).
+# each, 0.6 MiB) and, during a flush, its two scratch copies (1.9 MiB in all). Fewer, larger
+# batches cost fewer torch calls: about 1.5 ms a flush on a CPU, within the step (the demo GPT's
+# step takes 8 flushes; 4 of 10 x 2**15 values saved about a sixth of the time, but put its memory
+# at 1.6-1.8x a plain step's, against a goal of 1.5x: benchmarks/bench_what_if.py).
 FLUSH_ELEMENTS = 5 * 2**15
 
 
