@@ -65,8 +65,11 @@ def _screenshot(page: object, selector: str, shot: Path) -> None:
     page.set_viewport_size({"width": viewport["width"],
                             "height": min(6000, max(viewport["height"], int(height) + 300))})
     try:
-        cell.scroll_into_view_if_needed()
-        cell.screenshot(path=str(shot))
+        # The picture is evidence, not a check: taken by the page where the output lies now.
+        # (Playwright's element screenshot first waits for the element to stop moving, which
+        # a live panel on a loaded machine may not do within its timeout.)
+        cell.evaluate("el => el.scrollIntoView({block: 'start'})")
+        page.screenshot(path=str(shot), clip=cell.bounding_box(), animations="disabled")
     finally:
         page.set_viewport_size(viewport)
     SHOTS.append(shot)
